@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput through the engine, and (later) an HTTP load client."""

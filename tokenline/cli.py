@@ -1,0 +1,133 @@
+"""The ``tokenline`` command: import a model, generate, benchmark (and, later, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from tokenline.engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named like vLLM's."""
+    d = EngineConfig()
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations dtype (auto = bfloat16)")
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    parser.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory_gib,
+                        help="GiB of memory for the KV cache (like VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help="token budget of one step (prefill chunks + decodes)")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="turn off prefix caching (on by default)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from tokenline.model.model_store import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenline.llm import LLM
+    from tokenline.sampling_params import SamplingParams
+
+    llm = LLM(args.model, **asdict(engine_config_from_args(args)))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from tokenline.bench.throughput import format_table, run_hf, run_tokenline, synthetic_prompts
+    from tokenline.frontend.tokenizer import Tokenizer
+    from tokenline.model.model_store import resolve_model
+
+    model_dir = resolve_model(args.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompts = synthetic_prompts(
+        args.num_prompts, args.input_len, tokenizer.vocab_size, set(tokenizer.all_special_ids), args.seed
+    )
+    base = engine_config_from_args(args)
+    results = []
+    for dtype in args.dtypes or [base.dtype]:
+        config = EngineConfig(**{**asdict(base), "dtype": dtype})
+        results.append(run_tokenline(model_dir, prompts, args.output_len, config))
+        print(format_table(results[-1:]), file=sys.stderr)
+    if args.hf:
+        for dtype in args.dtypes or ["bfloat16"]:
+            hf_dtype = "bfloat16" if dtype == "auto" else dtype
+            results.append(run_hf(model_dir, prompts, args.output_len, hf_dtype, args.hf_batch_size))
+            print(format_table(results[-1:]), file=sys.stderr)
+    print(format_table(results))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenline", description="LLM inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("import", help="import a model (default: SmolLM2-135M-Instruct) and print its directory")
+    p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file")
+    p.set_defaults(func=cmd_import)
+
+    p = commands.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user message")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("throughput", help="offline throughput on synthetic prompts")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtypes", nargs="+", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="run tokenline once per dtype (default: --dtype)")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate on the same prompts")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The scheduler's decision for one step, and what the runner hands back.
+
+This is the whole contract between the engine (bookkeeping) and the model runner (tensors): the
+runner sees token ids, positions, block ids and sampling settings, never a ``Request``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tokenline.engine.request import TokenLogprobs
+from tokenline.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    request_id: str
+    token_ids: Sequence[int]  # the tokens whose KV this step computes
+    start_pos: int  # position of token_ids[0] (tokens before it are already in the KV cache)
+    block_table: Sequence[int]  # the sequence's blocks, covering start_pos + len(token_ids)
+    sample: bool  # True when this chunk ends at the last known token: sample the next one
+    sampling: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None
+    banned_token_ids: Sequence[int] = ()  # EOS / stop ids while fewer than min_tokens are out
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Runner(Protocol):
+    """Anything that turns a scheduled batch into one sampled token per sampling sequence."""
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]: ...

@@ -1,0 +1,66 @@
+"""Engine settings (named like vLLM's flags) and the one place that assembles an engine from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenline.engine.engine_core import EngineCore
+from tokenline.engine.kv_cache_manager import KVCacheManager
+from tokenline.engine.scheduler import SchedulerConfig
+
+GIB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_gib: float = 2.0  # like vLLM's VLLM_CPU_KVCACHE_SPACE
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests use tiny pools)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    check_integrity_every_step: bool = False
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is None and self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be positive")
+
+
+def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:
+    """Load the model, size the KV pool from the memory budget and wire scheduler and runner."""
+    from tokenline.model.config import ModelConfig
+    from tokenline.model.loader import resolve_dtype
+    from tokenline.model.runner import ModelRunner
+
+    config.validate()
+    model_config = ModelConfig.from_dir(model_dir)
+    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    dtype = resolve_dtype(config.dtype, config.device)
+    runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config)
+    num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * GIB) // runner.kv_bytes_per_block(
+        config.block_size
+    )
+    runner.allocate_kv_cache(num_blocks, config.block_size)
+    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    return EngineCore(
+        runner,
+        kv_cache,
+        scheduler_config,
+        eos_token_ids=model_config.eos_token_ids,
+        device=config.device,
+        check_integrity_every_step=config.check_integrity_every_step,
+    )

@@ -1,0 +1,130 @@
+"""The engine step loop: schedule, run the model, fold the sampled tokens back, report.
+
+One ``EngineCore`` owns the scheduler, the KV cache books and a runner. It is synchronous and
+single-threaded; the offline ``LLM`` drives it directly and the server runs it in its own process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenline.engine.batch import Runner, SampledToken
+from tokenline.engine.kv_cache_manager import KVCacheManager
+from tokenline.engine.request import EngineOutput, EngineRequest, FinishReason, Request
+from tokenline.engine.scheduler import Scheduler, SchedulerConfig
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never serve (too long for the context or the KV pool)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: Runner,
+        kv_cache: KVCacheManager,
+        scheduler_config: SchedulerConfig,
+        eos_token_ids: Iterable[int] = (),
+        device: str = "cpu",
+        check_integrity_every_step: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.scheduler = Scheduler(scheduler_config, kv_cache)
+        self.max_model_len = scheduler_config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = device
+        self.check_integrity_every_step = check_integrity_every_step
+        self.num_steps = 0
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request, or raise ``RequestRejected`` if it could never complete."""
+        num_prompt = len(engine_request.prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejected("prompt", "the prompt is empty")
+        room = self.max_model_len - num_prompt
+        if room <= 0:
+            raise RequestRejected(
+                "prompt",
+                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens",
+            )
+        requested = engine_request.sampling.max_tokens
+        if requested is not None and requested > room:
+            raise RequestRejected(
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({requested}) exceeds the model's context "
+                f"of {self.max_model_len} tokens",
+            )
+        max_tokens = room if requested is None else requested
+        pool_tokens = self.kv_cache.pool.num_blocks * self.kv_cache.block_size
+        if num_prompt + max_tokens > pool_tokens:
+            raise RequestRejected(
+                "max_tokens",
+                f"prompt + max_tokens ({num_prompt + max_tokens} tokens) exceeds the whole KV cache "
+                f"({pool_tokens} tokens); raise --kv-cache-memory or lower max_tokens",
+            )
+        request = Request(engine_request, max_tokens, self.eos_token_ids, self.device)
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        """Stop a request now; its output reports the tokens it actually produced."""
+        request = self.scheduler.abort(request_id)
+        return None if request is None else self._output(request, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if not self.scheduler.has_unfinished():
+                self.scheduler.check_integrity()  # idle: cheap, catches any leak at once
+            return []
+        sampled = self.runner.execute(batch)
+        results = self.scheduler.update(batch, sampled)
+        self.num_steps += 1
+        if self.check_integrity_every_step:
+            self.scheduler.check_integrity()
+        return [self._output(r.request, [r.token.token_id], r.token) for r in results if r.token is not None]
+
+    def stats(self) -> EngineStats:
+        prefix = self.kv_cache.prefix_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_steps=self.num_steps,
+        )
+
+    def _output(self, request: Request, new_token_ids: list[int], token: SampledToken | None) -> EngineOutput:
+        finish: FinishReason | None = request.finish_reason
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=[token.logprobs] if token is not None and token.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            num_output_tokens=request.num_output_tokens,
+            timings=request.timings if finish is not None else None,
+        )

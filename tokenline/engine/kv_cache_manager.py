@@ -1,0 +1,121 @@
+"""Per-request block tables on top of the block pool: prefix lookup, slot allocation, freeing.
+
+The scheduler asks yes/no questions ("can this request's next tokens get blocks?") and hands
+over ``Request`` objects; the block ids it gets back are opaque handles it passes to the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenline.engine.block_pool import BlockPool, hash_block
+from tokenline.engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up at admission
+    hits: int = 0  # of those, tokens found in the cache
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[str, list[int]] = {}
+        self._num_indexed: dict[str, int] = {}  # leading blocks of a table already in the cache index
+        self.prefix_stats = PrefixCacheStats()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request's tokens.
+
+        Never the whole sequence: the last token is always recomputed so that there are logits
+        to sample the next token from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._hash_full_blocks(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def can_fit(self, request: Request, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Whether the request could hold ``num_tokens`` tokens of KV, reusing ``cached_blocks``."""
+        return self._blocks_missing(request, num_tokens, cached_blocks) <= self.pool.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow the request's table to hold its computed tokens plus ``num_new_tokens``.
+
+        ``cached_blocks`` (only for a request with nothing computed yet) are prefix blocks found by
+        :meth:`find_cached_prefix`; they are shared, not copied. Returns False, changing nothing,
+        when the pool cannot supply the blocks.
+        """
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        if not self.can_fit(request, total, cached_blocks):
+            return False
+        table = self.tables.setdefault(request.request_id, [])
+        if cached_blocks:
+            assert not table, "cached prefix blocks can only start an empty table"
+            self.pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+            self._num_indexed[request.request_id] = len(cached_blocks)
+        table.extend(self.pool.allocate(max(0, self.blocks_for(total) - len(table))))
+        return True
+
+    def record_admission(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_stats.queries += num_query_tokens
+        self.prefix_stats.hits += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index the request's blocks that became full and computed, so later requests reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(request.request_id)
+        if not table:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_indexed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._hash_full_blocks(request)
+        for index in range(start, num_full):
+            self.pool.cache(table[index], request.block_hashes[index])
+        self._num_indexed[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        table = self.tables.pop(request.request_id, [])
+        self._num_indexed.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.tables.values())
+
+    def _blocks_missing(self, request: Request, num_tokens: int, cached_blocks: Sequence[int]) -> int:
+        have = len(self.tables.get(request.request_id, ())) + len(cached_blocks)
+        new = max(0, self.blocks_for(num_tokens) - have)
+        # Reviving a cached block that sits in the free list takes it out of the free count too.
+        revived = sum(1 for block_id in cached_blocks if self.pool.is_free(block_id))
+        return new + revived
+
+    def _hash_full_blocks(self, request: Request) -> None:
+        hashes = request.block_hashes
+        size = self.block_size
+        for index in range(len(hashes), request.num_tokens // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))

@@ -1,0 +1,54 @@
+"""One sequence's generated ids in, its text deltas out: incremental detokenization plus stop strings.
+
+The offline ``LLM`` and the server both turn engine outputs into text through this one class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenline.frontend.detokenizer import IncrementalDetokenizer
+from tokenline.frontend.stop_strings import StopStringMatcher
+from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.sampling_params import SamplingParams
+
+
+class TextStream:
+    def __init__(
+        self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int] | None = None
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_token_ids)
+        self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string ended the text; the caller then aborts the sequence."""
+        return self._matcher is not None and self._matcher.stopped
+
+    @property
+    def stop_string(self) -> str | None:
+        return self._matcher.matched if self._matcher is not None else None
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new ids; return the text that may be shown now."""
+        if self.stopped:
+            return ""
+        return self._emit(self._detokenizer.push(token_ids))
+
+    def finish(self) -> str:
+        """Generation ended: release whatever was held back (a partial character, a near stop)."""
+        if self.stopped:
+            return ""
+        delta = self._emit(self._detokenizer.flush())
+        if self._matcher is not None and not self._matcher.stopped:
+            tail = self._matcher.flush()
+            self.text += tail
+            delta += tail
+        return delta
+
+    def _emit(self, delta: str) -> str:
+        if self._matcher is not None:
+            delta, _ = self._matcher.feed(delta)
+        self.text += delta
+        return delta

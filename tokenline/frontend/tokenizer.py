@@ -1,0 +1,253 @@
+"""Load a model directory's tokenizer (HF `tokenizer.json` + `tokenizer_config.json`) and chat template.
+
+Encoding and decoding run in the Rust `tokenizers` library; transformers is not imported here
+(it is only the reference in tests). The loading rules follow transformers' generic fast
+tokenizer so that ids match it exactly: the `tokenizer.json` pipeline is used as written
+(including its post-processor, which is where a BOS token is added or not; transformers ignores
+`add_bos_token` in the config when a `tokenizer.json` exists), named special tokens from the
+config are added if the vocabulary lacks them, and `chat_template.jinja` /
+`additional_chat_templates/*.jinja` take priority over the config's `chat_template`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from tokenline.frontend.chat_template import ChatTemplateError, render_chat_template
+
+__all__ = ["Tokenizer"]
+
+# The named special tokens transformers exposes to chat templates (`special_tokens_map`).
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as written in a config: a string or a serialized AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """Templates by name ("default" for the main one)."""
+    templates: dict[str, str] = {}
+    main = model_dir / "chat_template.jinja"
+    if main.is_file():
+        templates["default"] = main.read_text(encoding="utf-8")
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for file in sorted(extra_dir.glob("*.jinja")):
+            templates[file.stem] = file.read_text(encoding="utf-8")
+    if templates:
+        # Template files replace whatever the config holds, as in transformers.
+        return templates
+    legacy = config.get("chat_template")
+    if isinstance(legacy, str):
+        return {"default": legacy}
+    if isinstance(legacy, list):
+        return {t["name"]: t["template"] for t in legacy if isinstance(t, Mapping) and "name" in t}
+    return {}
+
+
+class Tokenizer:
+    """A model's tokenizer: text <-> ids, special tokens, and its chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_templates: Mapping[str, str] | None = None,
+        extra_special_tokens: Sequence[str] = (),
+    ) -> None:
+        self._backend = backend
+        self._special_tokens = dict(special_tokens or {})
+        self._chat_templates = dict(chat_templates or {})
+
+        # transformers registers every named special token as an added special token on load
+        # (new ones get fresh ids; ones already in the base vocabulary keep theirs but are then
+        # matched whole and skipped on decode). Tokens already registered keep their flags.
+        registered = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = [
+            tokenizers.AddedToken(t, special=True, normalized=False)
+            for t in dict.fromkeys([*self._special_tokens.values(), *extra_special_tokens])
+            if t not in registered
+        ]
+        if missing:
+            backend.add_special_tokens(missing)
+
+        vocab = backend.get_vocab(with_added_tokens=True)
+        # Ids may have gaps (added tokens placed past the base vocabulary), so count up to the largest.
+        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        # The ids decode(skip_special_tokens=True) drops: added tokens flagged special.
+        self._special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path | str) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json` and the chat template(s) from an HF model directory."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{tokenizer_file} not found")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(model_dir / "tokenizer_config.json")
+
+        entries: dict[str, Any] = dict(config)
+        if "added_tokens_decoder" not in config:
+            # Legacy layout: special_tokens_map.json is only consulted (and wins) when the config
+            # does not serialize its added tokens, as in transformers.
+            entries.update(_read_json(model_dir / "special_tokens_map.json"))
+
+        special: dict[str, str] = {}
+        for key, value in entries.items():
+            # Standard names plus model-specific ones such as `image_token`.
+            if key in _NAMED_SPECIAL_TOKENS or key.endswith("_token"):
+                text = _token_text(value)
+                if text is not None:
+                    special[key] = text
+        extra_cfg = entries.get("extra_special_tokens", entries.get("additional_special_tokens"))
+        extra: list[str] = []
+        if isinstance(extra_cfg, Mapping):
+            for key, value in extra_cfg.items():
+                if (text := _token_text(value)) is not None:
+                    special[key] = text
+        elif isinstance(extra_cfg, list):
+            extra = [t for t in map(_token_text, extra_cfg) if t is not None]
+
+        added_missing = []
+        for token in (config.get("added_tokens_decoder") or {}).values():
+            text = _token_text(token)
+            if text is not None and backend.token_to_id(text) is None:
+                added_missing.append(
+                    tokenizers.AddedToken(
+                        text,
+                        special=bool(token.get("special", False)),
+                        normalized=bool(token.get("normalized", not token.get("special", False))),
+                        lstrip=bool(token.get("lstrip", False)),
+                        rstrip=bool(token.get("rstrip", False)),
+                        single_word=bool(token.get("single_word", False)),
+                    )
+                )
+        if added_missing:
+            backend.add_tokens(added_missing)
+        if config.get("split_special_tokens"):
+            backend.encode_special_tokens = True
+
+        return cls(backend, special, _load_chat_templates(model_dir, config), extra)
+
+    # -- ids <-> text ---------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The Rust tokenizer (for DecodeStream and batch calls)."""
+        return self._backend
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS token)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (largest id + 1, added tokens included)."""
+        return self._vocab_size
+
+    # -- special tokens -------------------------------------------------------------------------
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """Named special tokens (bos_token, eos_token, ...): the chat template sees these as variables."""
+        return dict(self._special_tokens)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._backend.token_to_id(self.bos_token) if self.bos_token is not None else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._backend.token_to_id(self.eos_token) if self.eos_token is not None else None
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of every added token flagged special: exactly what `decode(skip_special_tokens=True)` drops."""
+        return list(self._special_ids)
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template, or None if the model has none."""
+        return self._chat_templates.get("default")
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """All named templates (most models have only "default")."""
+        return dict(self._chat_templates)
+
+    def _pick_template(self, tools: Sequence[Any] | None) -> str:
+        if tools is not None and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" in self._chat_templates:
+            return self._chat_templates["default"]
+        if self._chat_templates:
+            raise ChatTemplateError(
+                f"model has several chat templates and no default: {sorted(self._chat_templates)}"
+            )
+        raise ChatTemplateError("model has no chat template")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> str:
+        """Render the conversation to prompt text (not tokenized; encode it with add_special_tokens=False).
+
+        `chat_template` overrides the model's own (a template source, or the name of one of its templates).
+        """
+        if chat_template is None:
+            template = self._pick_template(tools)
+        else:
+            template = self._chat_templates.get(chat_template, chat_template)
+        return render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            special_tokens=self._special_tokens,
+            chat_template_kwargs=chat_template_kwargs,
+        )

@@ -1,0 +1,1 @@
+"""Model definitions, layers, weight loading, the runner and the sampler. Never sees request text."""

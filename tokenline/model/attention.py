@@ -1,0 +1,87 @@
+"""Attention over a paged KV cache.
+
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``. A
+sequence's keys live in the blocks its block table lists; a token at position ``p`` sits in slot
+``table[p // block_size] * block_size + p % block_size``. The per-step layout of the flat batch
+travels in ``AttentionMetadata``, built by the runner: model code never sees requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """A run of tokens from one sequence that attends causally to its own cached context."""
+
+    start: int  # index of its first token in the flat batch
+    num_tokens: int
+    context_len: int  # tokens the chunk attends to, itself included (cached + new)
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    # The flat batch holds decode tokens (one per sequence) first, then prefill spans.
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        tables = meta.decode_block_tables
+        # [D, blocks, block_size, KVH, Dh] -> [D, KVH, L, Dh]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        query = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
+        attended = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+        )
+        out[:num_decode] = attended.squeeze(2)
+
+    for span in meta.prefills:
+        end = span.start + span.num_tokens
+        query = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
+        if span.context_len == span.num_tokens:
+            # Nothing cached before this chunk: attend to its own fresh K/V, plainly causal.
+            keys = k[span.start : end].transpose(0, 1).unsqueeze(0)
+            values = v[span.start : end].transpose(0, 1).unsqueeze(0)
+            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            keys = _gather(k_cache, span).unsqueeze(0)
+            values = _gather(v_cache, span).unsqueeze(0)
+            # Token i of the chunk sits at position (context_len - num_tokens + i) and sees keys up to it.
+            offset = span.context_len - span.num_tokens
+            rows = torch.arange(span.num_tokens, device=q.device)[:, None] + offset
+            cols = torch.arange(span.context_len, device=q.device)[None, :]
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=cols <= rows, enable_gqa=True
+            )
+        out[span.start : end] = attended[0].transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    """The first ``context_len`` cached rows of a sequence as [KVH, context_len, Dh]."""
+    return cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)

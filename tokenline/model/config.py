@@ -1,0 +1,81 @@
+"""The model's shape, read from an HF-format ``config.json`` (and ``generation_config.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str | None = None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        raw = json.loads((model_dir / "config.json").read_text())
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"{model_dir}: architecture {architectures or raw.get('model_type')} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        generation_path = model_dir / "generation_config.json"
+        generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+        heads = raw["num_attention_heads"]
+        rope_scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or None)
+        rope_theta = raw.get("rope_theta")
+        if rope_theta is None and isinstance(rope_scaling, dict):
+            rope_theta = rope_scaling.get("rope_theta")
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            generation_config=generation,
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list) else [eos]
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size

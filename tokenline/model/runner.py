@@ -1,0 +1,134 @@
+"""The model runner: turns a ``ScheduledBatch`` into tensors, runs the model, samples.
+
+It owns the weights, the KV cache tensors and the sampler. The flat batch is laid out with the
+decode tokens (one per sequence) first and prefill chunks after, so decode attention runs as one
+batched call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
+from tokenline.engine.request import TokenLogprobs
+from tokenline.model.attention import AttentionMetadata, PrefillSpan
+from tokenline.model.config import ModelConfig
+from tokenline.model.loader import load_model
+from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
+        config: ModelConfig | None = None,
+    ) -> None:
+        self.config = config or ModelConfig.from_dir(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.model = load_model(model_dir, self.config, dtype, self.device, self.max_model_len)
+        # The tokenizer may know fewer ids than the embedding has rows (padded vocabularies).
+        self.sampler = Sampler(vocab_size or self.config.vocab_size)
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.config.kv_bytes_per_token(self.dtype.itemsize) * block_size
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.config
+        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # Zeros, not empty: padded decode rows read unused slots, and garbage there could be NaN.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_hidden_layers)]
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
+        # Decode rows first so that their attention is one batched call.
+        seqs = sorted(batch.seqs, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, meta, logits_rows, sampling_seqs = self._prepare(seqs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampling_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[logits_rows])
+        rows = [
+            SamplingRow(s.sampling, s.prompt_token_ids, s.output_token_ids, s.generator, s.banned_token_ids)
+            for s in sampling_seqs
+        ]
+        sampled = self.sampler(logits, SamplingMetadata.build(rows, self.sampler.vocab_size, self.device))
+        return self._to_tokens(sampling_seqs, sampled)
+
+    def _prepare(
+        self, seqs: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[ScheduledSeq]]:
+        bs = self.block_size
+        device = self.device
+        token_ids: list[int] = []
+        pos_list: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampling_seqs: list[ScheduledSeq] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for seq in seqs:
+            start = len(token_ids)
+            n = seq.num_tokens
+            table = seq.block_table
+            token_ids.extend(seq.token_ids)
+            for pos in range(seq.start_pos, seq.start_pos + n):
+                pos_list.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            context_len = seq.start_pos + n
+            if n == 1:
+                decode_tables.append(list(table[: -(-context_len // bs)]))
+                decode_lens.append(context_len)
+            else:
+                block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
+                prefills.append(PrefillSpan(start, n, context_len, block_table))
+            if seq.sample:
+                logits_rows.append(start + n - 1)
+                sampling_seqs.append(seq)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode_tokens=len(decode_tables),
+            prefills=prefills,
+        )
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+            cols = torch.arange(width * bs, device=device)
+            meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, None, :]
+        return (
+            torch.tensor(token_ids, dtype=torch.long, device=device),
+            torch.tensor(pos_list, dtype=torch.long, device=device),
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=device),
+            sampling_seqs,
+        )
+
+    @staticmethod
+    def _to_tokens(seqs: list[ScheduledSeq], sampled: SamplerOutput) -> dict[str, SampledToken]:
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
+        top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        out = {}
+        for row, seq in enumerate(seqs):
+            token_logprobs = None
+            wanted = seq.sampling.logprobs
+            if wanted is not None and logprobs is not None:
+                top = list(zip(top_ids[row][:wanted], top_values[row][:wanted])) if top_ids and wanted else []
+                token_logprobs = TokenLogprobs(logprob=logprobs[row], top=top)
+            out[seq.request_id] = SampledToken(token_ids[row], token_logprobs)
+        return out

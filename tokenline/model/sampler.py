@@ -1,0 +1,361 @@
+"""The sampler: turns one step's logits into token ids (and logprobs), vectorized over the batch.
+
+The runner describes each row with a :class:`SamplingRow`, packs them once per step into a
+:class:`SamplingMetadata` (tensors on the model's device, ``None`` for every stage no row needs)
+and calls :class:`Sampler`. Stage order, as vLLM/OpenAI users expect:
+
+1. drop the padding columns (ids >= the tokenizer's vocab size) so they can never be chosen;
+2. raw logprobs (log_softmax of the model's distribution), when any row asked for logprobs;
+3. logit_bias, banned ids, repetition penalty (HF), frequency/presence penalties (OpenAI);
+4. greedy rows: argmax;
+5. random rows: temperature, top-k, top-p, min-p, then the exponential race
+   ``argmax(probs / Exp(1))``, whose noise comes from the row's own generator when it is seeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenline.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them would only overflow.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """What the runner knows about one row of the step's logits."""
+
+    params: SamplingParams  # resolved with .with_defaults(): no None in temperature/top_*/min_p/repetition_penalty
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far for this sequence
+    generator: torch.Generator | None  # set for seeded requests; persists across steps (owned by the request)
+    banned_token_ids: Sequence[int] = ()  # e.g. EOS and stop ids while fewer than min_tokens were generated
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling tensors. A field is ``None`` when no row needs that stage."""
+
+    num_rows: int
+    vocab_size: int  # the tokenizer's; id vocab_size is the padding value of the id tensors below
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool, only for mixed batches
+    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when no random row scales
+    top_k: torch.Tensor | None  # [B] int64 in [1, vocab_size]; vocab_size means off
+    max_top_k: int  # largest top_k among rows that use it (host int: torch.topk needs it without a sync)
+    top_p: torch.Tensor | None  # [B] float32; 1.0 means off
+    # Every top-p row also has top-k on, so top-p can work on the top max_top_k values, not a full sort.
+    top_p_within_top_k: bool
+    min_p: torch.Tensor | None  # [B] float32; 0.0 means off
+    logit_bias_index: torch.Tensor | None  # [2, N] int64: (row, token id)
+    logit_bias_values: torch.Tensor | None  # [N] float32
+    banned_index: torch.Tensor | None  # [2, M] int64: (row, token id)
+    repetition_penalty: torch.Tensor | None  # [B] float32; 1.0 means off
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    presence_penalty: torch.Tensor | None  # [B] float32
+    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64 padded with vocab_size; only with repetition_penalty
+    output_token_ids: torch.Tensor | None  # [B, Lo] int64 padded with vocab_size; with any penalty
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row index -> seeded random row's RNG
+    max_num_logprobs: int | None = None  # None: no row asked; else the largest top-k asked (may be 0)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty is not None
+            or self.frequency_penalty is not None
+            or self.presence_penalty is not None
+        )
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        return self.logit_bias_index is not None or self.banned_index is not None or self.needs_penalties
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
+        """Pack the rows' parameters into tensors on ``device``. One host-to-device copy per used stage."""
+        num_rows = len(rows)
+        greedy = [row.params.temperature < _GREEDY_EPS for row in rows]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        # Random-only stages: greedy rows get neutral values so they do not switch a stage on.
+        temperatures = [1.0 if g else float(row.params.temperature) for row, g in zip(rows, greedy)]
+        top_ks = []
+        for row, g in zip(rows, greedy):
+            k = int(row.params.top_k)
+            top_ks.append(vocab_size if g or k <= 0 or k >= vocab_size else k)
+        top_ps = [1.0 if g else float(row.params.top_p) for row, g in zip(rows, greedy)]
+        min_ps = [0.0 if g else float(row.params.min_p) for row, g in zip(rows, greedy)]
+        used_top_ks = [k for k in top_ks if k < vocab_size]
+        top_p_within_top_k = all(k < vocab_size for k, p in zip(top_ks, top_ps) if p < 1.0)
+
+        rep = [float(row.params.repetition_penalty) for row in rows]
+        freq = [float(row.params.frequency_penalty) for row in rows]
+        pres = [float(row.params.presence_penalty) for row in rows]
+        use_rep = any(p != 1.0 for p in rep)
+        use_freq = any(f != 0.0 for f in freq)
+        use_pres = any(p != 0.0 for p in pres)
+
+        # Only rows whose penalty is active contribute ids, so the padded width stays small.
+        prompt_ids = None
+        if use_rep:
+            prompt_ids = _pad_ids(
+                [row.prompt_token_ids if r != 1.0 else () for row, r in zip(rows, rep)], vocab_size, device
+            )
+        output_ids = None
+        if use_rep or use_freq or use_pres:
+            output_ids = _pad_ids(
+                [
+                    row.output_token_ids if (r != 1.0 or f != 0.0 or p != 0.0) else ()
+                    for row, r, f, p in zip(rows, rep, freq, pres)
+                ],
+                vocab_size,
+                device,
+            )
+
+        # Ids outside the tokenizer's vocabulary are dropped: they are padding, never sampled anyway.
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for i, row in enumerate(rows):
+            for token_id, bias in (row.params.logit_bias or {}).items():
+                if 0 <= int(token_id) < vocab_size:
+                    bias_rows.append(i)
+                    bias_ids.append(int(token_id))
+                    bias_values.append(float(bias))
+            for token_id in row.banned_token_ids:
+                if 0 <= int(token_id) < vocab_size:
+                    banned_rows.append(i)
+                    banned_ids.append(int(token_id))
+
+        asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+        generators = {
+            i: row.generator for i, (row, g) in enumerate(zip(rows, greedy)) if row.generator is not None and not g
+        }
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=floats(temperatures) if any(t != 1.0 for t in temperatures) else None,
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device) if used_top_ks else None,
+            max_top_k=max(used_top_ks, default=0),
+            top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
+            top_p_within_top_k=top_p_within_top_k,
+            min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
+            logit_bias_index=(
+                torch.tensor([bias_rows, bias_ids], dtype=torch.int64, device=device) if bias_rows else None
+            ),
+            logit_bias_values=floats(bias_values) if bias_rows else None,
+            banned_index=(
+                torch.tensor([banned_rows, banned_ids], dtype=torch.int64, device=device) if banned_rows else None
+            ),
+            repetition_penalty=floats(rep) if use_rep else None,
+            frequency_penalty=floats(freq) if use_freq else None,
+            presence_penalty=floats(pres) if use_pres else None,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            generators=generators,
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32: raw log-prob of the sampled token; None when no row asked
+    top_logprob_ids: torch.Tensor | None  # [B, k] int64, k = max logprobs asked, sorted by value desc
+    top_logprobs: torch.Tensor | None  # [B, k] float32
+
+
+class Sampler:
+    """Samples one token per row. Stateless apart from the vocabulary size; call once per step."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size  # the tokenizer's; logits may carry padding columns beyond it
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        vocab = self.vocab_size
+        if logits.shape[-1] < vocab:
+            raise ValueError(f"logits have {logits.shape[-1]} columns, fewer than the vocabulary ({vocab})")
+        if metadata.vocab_size != vocab:
+            raise ValueError(f"metadata built for vocab {metadata.vocab_size}, sampler has {vocab}")
+        # Slicing the padding columns away is the same as setting them to -inf, and cheaper:
+        # nothing downstream can pick them, and seeded noise stays independent of the padding.
+        logits = logits[:, :vocab]
+
+        # Fast path: one argmax, no float32 copy.
+        if metadata.all_greedy and not metadata.needs_logits_processing and metadata.max_num_logprobs is None:
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+
+        # A private float32 copy: every stage below works in place and must not touch the runner's logits.
+        x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        raw_logprobs = x.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+
+        apply_logits_processors(x, metadata)
+
+        if metadata.all_greedy:
+            token_ids = x.argmax(dim=-1)
+        else:
+            greedy_ids = x.argmax(dim=-1) if metadata.greedy_mask is not None else None
+            token_ids = self._sample_random(x, metadata)
+            if greedy_ids is not None:
+                token_ids = torch.where(metadata.greedy_mask, greedy_ids, token_ids)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)  # sorted desc
+        return SamplerOutput(token_ids, sampled, top_ids, top_values)
+
+    def _sample_random(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and the exponential race; modifies ``x`` in place."""
+        if metadata.temperature is not None:
+            x.div_(metadata.temperature.unsqueeze(1))
+        if metadata.top_p is not None and metadata.top_p_within_top_k:
+            _apply_top_k_top_p_truncated(x, metadata.top_k, metadata.max_top_k, metadata.top_p)
+        elif metadata.top_p is not None:
+            _apply_top_k_top_p_sorted(x, metadata.top_k, metadata.top_p)
+        elif metadata.top_k is not None:
+            _apply_top_k(x, metadata.top_k, metadata.max_top_k)
+        probs = x.softmax(dim=-1)
+        if metadata.min_p is not None:
+            max_probs = probs.amax(dim=-1, keepdim=True)
+            probs.masked_fill_(probs < metadata.min_p.unsqueeze(1) * max_probs, 0.0)
+        return _exponential_race(probs, metadata)
+
+
+def apply_logits_processors(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, banned ids, repetition penalty, frequency/presence penalties on ``x`` [B, vocab], in place."""
+    if metadata.logit_bias_index is not None:
+        x.index_put_(tuple(metadata.logit_bias_index), metadata.logit_bias_values, accumulate=True)
+    if metadata.banned_index is not None:
+        x.index_put_(tuple(metadata.banned_index), torch.tensor(float("-inf"), device=x.device))
+    if not metadata.needs_penalties:
+        return x
+
+    num_rows, vocab = x.shape
+    output_counts = None
+    if metadata.frequency_penalty is not None or metadata.presence_penalty is not None:
+        output_counts = _token_counts(metadata.output_token_ids, num_rows, vocab)
+
+    if metadata.repetition_penalty is not None:
+        seen = _token_mask(metadata.prompt_token_ids, num_rows, vocab)
+        if output_counts is not None:
+            seen |= output_counts > 0
+        else:
+            seen |= _token_mask(metadata.output_token_ids, num_rows, vocab)
+        penalty = metadata.repetition_penalty.unsqueeze(1)
+        # HF semantics: push a seen token's logit towards "less likely" whatever its sign.
+        penalized = torch.where(x > 0, x / penalty, x * penalty)
+        x.copy_(torch.where(seen, penalized, x))
+
+    if metadata.frequency_penalty is not None:
+        x.sub_(metadata.frequency_penalty.unsqueeze(1) * output_counts)
+    if metadata.presence_penalty is not None:
+        x.sub_(metadata.presence_penalty.unsqueeze(1) * (output_counts > 0).to(x.dtype))
+    return x
+
+
+def _pad_ids(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, max_len] int64 ids padded with ``vocab_size``, a column that the scatters below then drop."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    padded = torch.full((len(id_lists), max(width, 1)), vocab_size, dtype=torch.int64)
+    for i, ids in enumerate(id_lists):
+        if len(ids):
+            padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    # An id outside the vocabulary would index past the scatter buffer; treat it as padding.
+    padded.masked_fill_((padded < 0) | (padded > vocab_size), vocab_size)
+    return padded.to(device)
+
+
+def _token_counts(ids: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 occurrence counts of the (padded) ids in each row."""
+    counts = torch.zeros((num_rows, vocab + 1), dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _token_mask(ids: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool: which ids occur in each row."""
+    mask = torch.zeros((num_rows, vocab + 1), dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, ids, True)
+    return mask[:, :vocab]
+
+
+def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
+    """Keep each row's k largest logits. torch.topk on the largest k avoids a full-vocabulary sort."""
+    top_values = x.topk(max_top_k, dim=-1).values  # [B, max_top_k], sorted desc
+    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    # Rows with top-k off (k == vocab) keep everything.
+    kth.masked_fill_((top_k >= x.shape[-1]).unsqueeze(1), float("-inf"))
+    x.masked_fill_(x < kth, float("-inf"))
+
+
+def _apply_top_k_top_p_sorted(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> None:
+    """Top-k then top-p with one ascending sort (needed anyway for the cumulative probabilities)."""
+    sorted_x, order = x.sort(dim=-1, descending=False)
+    vocab = x.shape[-1]
+    if top_k is not None:
+        # In ascending order the k-th largest sits at column vocab - k.
+        kth = sorted_x.gather(1, (vocab - top_k).unsqueeze(1))
+        sorted_x.masked_fill_(sorted_x < kth, float("-inf"))
+    cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    # Drop the low tail while what remains still holds at least top_p of the mass.
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives, even when rounding says otherwise
+    sorted_x.masked_fill_(drop, float("-inf"))
+    x.scatter_(1, order, sorted_x)
+
+
+def _apply_top_k_top_p_truncated(
+    x: torch.Tensor, top_k: torch.Tensor, max_top_k: int, top_p: torch.Tensor
+) -> None:
+    """Top-k then top-p when every top-p row also has top-k: work on torch.topk's values only.
+
+    Same result as the sorted path (top-p over the distribution renormalized on the top k), at the
+    cost of a topk instead of a full-vocabulary sort; generation configs such as Qwen's set both.
+    """
+    values = x.topk(max_top_k, dim=-1).values  # [B, K], sorted desc
+    columns = torch.arange(max_top_k, device=x.device)
+    in_top_k = columns < top_k.unsqueeze(1)
+    values.masked_fill_(~in_top_k, float("-inf"))
+    probs = values.softmax(dim=-1)
+    # Keep a token while the mass strictly above it is still short of top_p; the top one always stays.
+    keep = (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1)
+    keep |= (top_p >= 1.0).unsqueeze(1)
+    keep &= in_top_k
+    num_kept = keep.sum(dim=-1, keepdim=True)
+    threshold = values.gather(1, num_kept - 1)
+    # Rows with top-k off are exactly the rows with top-p off here: they keep everything.
+    threshold.masked_fill_((top_k >= x.shape[-1]).unsqueeze(1), float("-inf"))
+    x.masked_fill_(x < threshold, float("-inf"))
+
+
+def _exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a sample from ``probs`` without a CDF search.
+
+    Each seeded row draws its own noise from its generator, a full row every step, so its tokens
+    depend on nothing but its own logits and generator: not on the batch or its place in it.
+    q is made as -log(U), U ~ Uniform[0, 1): the same distribution as ``exponential_``, about four
+    times cheaper on CPU. U < 1 keeps q > 0; U == 0 gives q = inf, i.e. that token cannot win.
+    """
+    noise = torch.empty_like(probs)
+    seeded = metadata.generators
+    if not (metadata.all_random and len(seeded) == metadata.num_rows):
+        noise.uniform_()  # one draw from the default RNG for every unseeded row
+    for row, generator in seeded.items():
+        noise[row].uniform_(generator=generator)
+    noise.log_().neg_()
+    return probs.div_(noise).argmax(dim=-1)

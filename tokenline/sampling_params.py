@@ -1,0 +1,110 @@
+"""Per-request sampling parameters: the contract between the API, the engine and the sampler.
+
+Fields left as ``None`` mean "not set by the caller"; :meth:`SamplingParams.with_defaults` fills them
+from the model's generation config, the way vLLM applies ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Values used when neither the request nor the model's generation config sets a field.
+_FALLBACKS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+# generation_config.json keys that map onto our fields.
+GENERATION_CONFIG_KEYS = tuple(_FALLBACKS)
+
+MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; ``param`` names it for the API's error body."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float | None = None  # 0 means greedy
+    top_p: float | None = None  # 1.0 disables
+    top_k: int | None = None  # 0 or -1 disables
+    min_p: float | None = None  # 0.0 disables
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # 1.0 disables
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # applied by the frontend, never the engine
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise SamplingParamsError("n", f"n must be at least 1, got {self.n}")
+        if self.temperature is not None and self.temperature < 0:
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < -1:
+            raise SamplingParamsError("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                if int(token_id) < 0:
+                    raise SamplingParamsError("logit_bias", f"logit_bias has a negative token id {token_id}")
+                if not -100.0 <= bias <= 100.0:
+                    raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+
+    def with_defaults(self, generation_config: dict[str, Any] | None = None) -> SamplingParams:
+        """Fill unset fields from the model's generation config, then from neutral fallbacks."""
+        generation_config = generation_config or {}
+        updates: dict[str, Any] = {}
+        for key, fallback in _FALLBACKS.items():
+            if getattr(self, key) is None:
+                value = generation_config.get(key)
+                updates[key] = fallback if value is None else value
+        # A generation config that disables sampling means greedy unless the caller asked otherwise.
+        if self.temperature is None and generation_config.get("do_sample") is False:
+            updates["temperature"] = 0.0
+        return dataclasses.replace(self, **updates) if updates else self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
