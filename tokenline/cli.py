@@ -1,4 +1,4 @@
-"""The ``tokenline`` command: import a model, generate, benchmark (and, later, serve)."""
+"""The ``tokenline`` command: serve, import a model, generate, benchmark."""
 
 from __future__ import annotations
 
@@ -39,6 +39,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenline.edge.app import ServerSettings, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = ServerSettings(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        request_timeout=args.request_timeout or None,
+        shutdown_timeout=args.shutdown_timeout,
+        engine=engine_config_from_args(args),
+    )
+    serve(settings)
+    return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -89,9 +109,39 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tokenline.bench.serve import BenchServeConfig, run_bench_serve
+
+    config = BenchServeConfig(
+        base_url=args.base_url, concurrency=args.concurrency, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, seed=args.seed, model=args.model,
+        api_key=args.api_key, endpoint=args.endpoint, tokenizer_dir=args.tokenizer_dir,
+        shared_prefix_len=args.shared_prefix_len, timeout=args.timeout,
+    )
+    report = asyncio.run(run_bench_serve(config))
+    print(report.format_table())
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2))
+    return 0 if report.failed == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenline", description="LLM inference server")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file (default: SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model argument)")
+    p.add_argument("--api-key", default=None, help="require this key as a Bearer token on /v1/*")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (0 = no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = commands.add_parser("import", help="import a model (default: SmolLM2-135M-Instruct) and print its directory")
     p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file")
@@ -121,6 +171,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     p.set_defaults(func=cmd_bench_throughput)
+
+    p = bench.add_parser("serve", help="load an OpenAI-compatible server with streaming requests")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=int, default=1, help="most requests in flight")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="completions: token-id prompts, exact length; chat: decoded text, approximate")
+    p.add_argument("--tokenizer-dir", default=None, help="tokenizer for the random ids (default: the default model's)")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

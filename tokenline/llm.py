@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenline.engine.config import EngineConfig, build_engine_core
-from tokenline.engine.request import EngineOutput, EngineRequest, FinishReason, RequestTimings, TokenLogprobs
+from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason, RequestTimings, TokenLogprobs
 from tokenline.frontend.text_stream import TextStream
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.model.model_store import resolve_model

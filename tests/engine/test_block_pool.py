@@ -6,7 +6,8 @@ import pytest
 
 from tokenline.engine.block_pool import BlockPool, hash_block
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.request import EngineRequest, Request
+from tokenline.engine.messages import EngineRequest
+from tokenline.engine.request import Request
 from tokenline.sampling_params import SamplingParams
 
 

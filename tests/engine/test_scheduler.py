@@ -7,7 +7,7 @@ import pytest
 from tests.engine.fake_runner import FakeRunner
 from tokenline.engine.engine_core import EngineCore, RequestRejected
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.request import EngineOutput, EngineRequest, FinishReason
+from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.sampling_params import SamplingParams
 

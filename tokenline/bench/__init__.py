@@ -1,1 +1,1 @@
-"""Benchmarks: offline throughput through the engine, and (later) an HTTP load client."""
+"""Benchmarks: offline throughput through the engine, and a streaming load client for OpenAI-compatible servers."""

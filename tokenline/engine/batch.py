@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from tokenline.engine.request import TokenLogprobs
+from tokenline.engine.messages import TokenLogprobs
 from tokenline.sampling_params import SamplingParams
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenline.engine.engine_core import EngineCore
-from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.scheduler import SchedulerConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenline.engine.engine_core import EngineCore
 
 GIB = 1 << 30
 
@@ -36,6 +37,10 @@ class EngineConfig:
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:
     """Load the model, size the KV pool from the memory budget and wire scheduler and runner."""
+    # Imported here so that the API process, which only needs EngineConfig, never loads torch.
+    from tokenline.engine.engine_core import EngineCore
+    from tokenline.engine.kv_cache_manager import KVCacheManager
+    from tokenline.engine.scheduler import SchedulerConfig
     from tokenline.model.config import ModelConfig
     from tokenline.model.loader import resolve_dtype
     from tokenline.model.runner import ModelRunner

@@ -7,11 +7,11 @@ single-threaded; the offline ``LLM`` drives it directly and the server runs it i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from tokenline.engine.batch import Runner, SampledToken
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.request import EngineOutput, EngineRequest, FinishReason, Request
+from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats, FinishReason
+from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
 
 
@@ -21,17 +21,6 @@ class RequestRejected(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_steps: int
 
 
 class EngineCore:
@@ -113,6 +102,8 @@ class EngineCore:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_steps=self.num_steps,
+            num_kv_blocks=self.kv_cache.pool.num_blocks,
+            num_free_kv_blocks=self.kv_cache.pool.num_free_blocks,
         )
 
     def _output(self, request: Request, new_token_ids: list[int], token: SampledToken | None) -> EngineOutput:

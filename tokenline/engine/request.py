@@ -1,18 +1,13 @@
-"""The request records that cross the frontend/engine boundary, and the engine's per-request state.
-
-``EngineRequest`` goes in, ``EngineOutput`` comes out; ``Request`` is the one state object the
-scheduler, the KV cache manager and the engine share (as nano-vllm's ``Sequence``).
-"""
+"""The engine's per-request state: the one object the scheduler, the KV cache manager and the
+engine loop share (as nano-vllm's ``Sequence``)."""
 
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
 
 import torch
 
-from tokenline.sampling_params import SamplingParams
+from tokenline.engine.messages import EngineRequest, FinishReason, RequestTimings
 
 
 class RequestStatus(enum.Enum):
@@ -20,62 +15,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again after its blocks were taken; recomputed when re-admitted
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or (frontend) a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"  # client went away, timeout, explicit cancel
-    ERROR = "error"
-
-
-@dataclass
-class EngineRequest:
-    """What the frontend hands the engine: token ids only, never text."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams  # resolved with the model's generation-config defaults
-    arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0  # lower runs first; ties go to the earlier arrival
-
-
-@dataclass
-class RequestTimings:
-    """Monotonic timestamps of one request's life inside the engine (seconds)."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probability of a generated token and, when asked, the top alternatives at that step."""
-
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class EngineOutput:
-    """What one engine step tells the frontend about one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | None = None  # the stop token id that ended it, if any
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    timings: RequestTimings | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class Request:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.request import FinishReason, Request, RequestStatus
+from tokenline.engine.messages import FinishReason
+from tokenline.engine.request import Request, RequestStatus
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
-from tokenline.engine.request import TokenLogprobs
+from tokenline.engine.messages import TokenLogprobs
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
 from tokenline.model.config import ModelConfig
 from tokenline.model.loader import load_model

@@ -1,0 +1,108 @@
+"""A real tokenline server on the default model, started as a subprocess on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 120
+
+
+@dataclass
+class Server:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, by name."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def start_server(tmp_path: Path, *args: str, wait_ready: bool = True) -> Iterator[Server]:
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    command = [
+        sys.executable, "-m", "tokenline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--kv-cache-memory", "0.25", *args,
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        if wait_ready:
+            wait_healthy(server)
+        yield server
+    finally:
+        stop(process)
+
+
+def wait_healthy(server: Server, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not healthy after {timeout}s:\n{server.log()}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop the server we started (by its pid), politely first."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
+    with start_server(tmp_path_factory.mktemp("server")) as running:
+        yield running
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,400 @@
+"""``tokenline bench serve``: a light load client for any OpenAI-compatible server.
+
+N random prompts of exactly I tokens (seeded, optionally sharing a P-token prefix) are streamed
+through ``/v1/completions`` (as token-id arrays, so the input length is exact) or
+``/v1/chat/completions`` (as decoded text, so it is approximate), with at most C requests in
+flight. Per request it measures TTFT, inter-token latencies, TPOT and end-to-end latency, and the
+report holds throughput and percentiles in the spirit of ``vllm bench serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class BenchServeConfig:
+    base_url: str
+    concurrency: int = 1
+    num_prompts: int = 16
+    input_len: int = 128
+    output_len: int = 64
+    seed: int = 0
+    model: str | None = None  # None: the first id of GET /v1/models
+    api_key: str | None = None
+    endpoint: str = "completions"  # "completions" (exact input length) or "chat" (approximate)
+    tokenizer_dir: str | None = None  # None: the default model's tokenizer
+    shared_prefix_len: int = 0
+    timeout: float = 600.0  # seconds, per request, from send to the end of the stream
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, not {self.endpoint!r}")
+        if self.concurrency < 1 or self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
+            raise ValueError("concurrency, num_prompts, input_len and output_len must be >= 1")
+        if not 0 <= self.shared_prefix_len <= self.input_len:
+            raise ValueError("shared_prefix_len must be between 0 and input_len")
+        if self.timeout <= 0:
+            raise ValueError("timeout must be > 0")
+
+
+@dataclass
+class RequestResult:
+    """What one request produced; times are seconds from ``time.perf_counter()``."""
+
+    prompt_len: int  # the server's usage.prompt_tokens when reported, else the client's count
+    success: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft: float | None = None  # None: no chunk carried text
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    usage_reported: bool = False
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.success or self.ttft is None or self.output_tokens <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linearly interpolated between order statistics (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0 <= q <= 100:
+        raise ValueError("q must be within [0, 100]")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:  # e.g. every request failed: report null rather than a made-up zero
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {
+        "mean": 1000 * sum(values) / len(values),
+        "p50": 1000 * percentile(values, 50),
+        "p90": 1000 * percentile(values, 90),
+        "p99": 1000 * percentile(values, 99),
+    }
+
+
+@dataclass
+class BenchServeReport:
+    # settings
+    base_url: str
+    endpoint: str
+    model: str
+    concurrency: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+    seed: int
+    shared_prefix_len: int
+    input_len_exact: bool
+    # results
+    completed: int
+    failed: int
+    errors: dict[str, int]  # error message -> count
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    max_in_flight: int  # the most requests this client had in flight at once
+    usage_reported: int  # completed requests whose token count came from the server's usage
+    ttft_ms: dict[str, float | None]
+    tpot_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None]
+    e2e_ms: dict[str, float | None]
+
+    @property
+    def request_throughput(self) -> float:
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def output_throughput(self) -> float:
+        return self.total_output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def total_token_throughput(self) -> float:
+        total = self.total_input_tokens + self.total_output_tokens
+        return total / self.duration_s if self.duration_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-ready dict: settings, counts, throughputs, and ``<metric>_ms`` statistics."""
+        out: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if key.endswith("_ms"):
+                name = key.removesuffix("_ms")
+                for stat, v in value.items():
+                    out[f"{stat}_{name}_ms"] = v
+            else:
+                out[key] = value
+        out["request_throughput"] = self.request_throughput
+        out["output_throughput"] = self.output_throughput
+        out["total_token_throughput"] = self.total_token_throughput
+        return out
+
+    def format_table(self) -> str:
+        def num(v: float | None, fmt: str = ".2f") -> str:
+            return "-" if v is None else format(v, fmt)
+
+        input_note = "" if self.input_len_exact else " (approximate: chat text)"
+        rows: list[tuple[str, str] | str] = [
+            "settings",
+            ("base url", self.base_url),
+            ("endpoint", f"{ENDPOINTS[self.endpoint]}"),
+            ("model", self.model),
+            ("concurrency", str(self.concurrency)),
+            ("prompts", str(self.num_prompts)),
+            ("input len", f"{self.input_len}{input_note}"),
+            ("shared prefix len", str(self.shared_prefix_len)),
+            ("output len", str(self.output_len)),
+            ("seed", str(self.seed)),
+            "results",
+            ("completed", str(self.completed)),
+            ("failed", str(self.failed)),
+            ("duration (s)", num(self.duration_s)),
+            ("total input tokens", str(self.total_input_tokens)),
+            ("total output tokens", str(self.total_output_tokens)),
+            ("max in flight", str(self.max_in_flight)),
+            ("request throughput (req/s)", num(self.request_throughput)),
+            ("output throughput (tok/s)", num(self.output_throughput)),
+            ("total throughput (tok/s)", num(self.total_token_throughput)),
+        ]
+        for title, stats in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms), ("ITL", self.itl_ms)):
+            rows.append(f"{title} (ms)")
+            rows.extend((stat, num(stats[stat])) for stat in ("mean", "p50", "p90", "p99"))
+        rows.append("E2E latency (ms)")
+        rows.extend((stat, num(self.e2e_ms[stat])) for stat in ("mean", "p50", "p99"))
+        if self.usage_reported < self.completed:
+            rows.append(f"note: {self.completed - self.usage_reported} request(s) sent no usage; "
+                        "their output tokens are counted as content chunks")
+        if self.errors:
+            rows.append("errors")
+            rows.extend((str(count), msg[:120]) for msg, count in self.errors.items())
+
+        width = 30
+        lines = []
+        for row in rows:
+            if isinstance(row, str):
+                lines.append(f"{'-- ' + row + ' ':-<{width + 20}}" if not row.startswith("note") else row)
+            else:
+                lines.append(f"{row[0]:<{width}}{row[1]}")
+        return "\n".join(lines)
+
+
+def ordinary_token_ids(vocab_size: int, special_ids: Sequence[int]) -> list[int]:
+    """Ids a random prompt may use: every id below ``vocab_size`` that is not special."""
+    special = set(special_ids)
+    return [i for i in range(vocab_size) if i not in special]
+
+
+def make_prompts(
+    num_prompts: int,
+    input_len: int,
+    ordinary_ids: Sequence[int],
+    seed: int,
+    shared_prefix_len: int = 0,
+) -> list[list[int]]:
+    """``num_prompts`` lists of exactly ``input_len`` ids drawn from ``ordinary_ids``; each starts with
+    the same ``shared_prefix_len`` ids (drawn first), and the same seed gives the same prompts."""
+    if not ordinary_ids:
+        raise ValueError("no ordinary token ids to draw from")
+    rng = random.Random(seed)
+    prefix = rng.choices(ordinary_ids, k=shared_prefix_len)
+    return [prefix + rng.choices(ordinary_ids, k=input_len - shared_prefix_len) for _ in range(num_prompts)]
+
+
+def _has_text(data: str, key: str) -> bool:
+    """Whether the JSON text ``data`` holds ``key`` (e.g. ``'"text":'``) with a non-empty string value.
+
+    A cheap substring test instead of ``json.loads`` on every chunk: the client shares the CPU with
+    the server it measures. A key can't match inside a string value, where its quotes are escaped,
+    and ``""`` after the key can only be the empty string.
+    """
+    i = data.find(key)
+    if i < 0:
+        return False
+    j = i + len(key)
+    while j < len(data) and data[j] == " ":
+        j += 1
+    return j + 1 < len(data) and data[j] == '"' and data[j + 1] != '"'
+
+
+def _carries_text(data: str, chat: bool) -> bool:
+    if not chat:
+        return _has_text(data, '"text":')
+    # Reasoning models stream their thinking first; it is output too (it costs decode steps).
+    return (_has_text(data, '"content":') or _has_text(data, '"reasoning_content":')
+            or _has_text(data, '"reasoning":'))
+
+
+async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int,
+                chat: bool, timeout: float) -> RequestResult:
+    result = RequestResult(prompt_len=prompt_len)
+    content_chunks = 0
+    finished = False
+    start = time.perf_counter()
+    last = start
+    try:
+        async with asyncio.timeout(timeout):  # per request, not per read: a trickling stream ends too
+            async with client.stream("POST", url, json=payload) as response:
+                if response.status_code != 200:
+                    body = (await response.aread())[:200].decode("utf-8", "replace")
+                    result.error = f"HTTP {response.status_code}: {body}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments, event: lines
+                    now = time.perf_counter()
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        finished = True
+                        break
+                    if _carries_text(data, chat):
+                        if content_chunks == 0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+                        content_chunks += 1
+                    # Full decode only for the rare chunks that need it: the final usage and errors.
+                    if '"usage":{' in data or '"usage": {' in data or '"error":' in data:
+                        obj = json.loads(data)
+                        if obj.get("error"):
+                            result.error = f"stream error: {json.dumps(obj['error'])[:200]}"
+                            return result
+                        usage = obj.get("usage")
+                        if usage:
+                            result.usage_reported = True
+                            result.output_tokens = int(usage.get("completion_tokens") or 0)
+                            if usage.get("prompt_tokens"):
+                                result.prompt_len = int(usage["prompt_tokens"])
+                            finished = True  # some servers end the stream after usage without [DONE]
+    except TimeoutError:
+        result.error = f"timeout after {timeout:g} s"
+        return result
+    except Exception as e:  # noqa: BLE001 - any broken request is counted as failed, never lost
+        result.error = f"{type(e).__name__}: {e}"[:200]
+        return result
+    if not finished:
+        result.error = "stream ended before [DONE]"
+        return result
+    result.e2e = time.perf_counter() - start
+    if not result.usage_reported:
+        result.output_tokens = content_chunks
+    result.success = True
+    return result
+
+
+def load_tokenizer(tokenizer_dir: str | Path | None) -> Any:
+    """The tokenizer in ``tokenizer_dir``, or the default model's."""
+    from tokenline.frontend.tokenizer import Tokenizer
+    from tokenline.model.model_store import resolve_model
+
+    return Tokenizer.from_dir(tokenizer_dir if tokenizer_dir is not None else resolve_model(None))
+
+
+async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
+    """Send ``config.num_prompts`` streaming requests, at most ``config.concurrency`` at a time."""
+    tokenizer = load_tokenizer(config.tokenizer_dir)
+    ordinary = ordinary_token_ids(tokenizer.vocab_size, tokenizer.all_special_ids)
+    prompts = make_prompts(config.num_prompts, config.input_len, ordinary, config.seed, config.shared_prefix_len)
+    chat = config.endpoint == "chat"
+    base_url = config.base_url.rstrip("/")
+    url = base_url + ENDPOINTS[config.endpoint]
+
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    # One connection per worker, so that no request waits for a connection instead of the server.
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(config.timeout)) as client:
+        model = config.model or await _first_model(client, base_url)
+
+        common: dict[str, Any] = {
+            "model": model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": config.output_len,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        payloads: list[dict[str, Any]] = []
+        for ids in prompts:
+            if chat:  # decoding and re-encoding random ids changes the count: the length is approximate
+                payloads.append({**common, "messages": [{"role": "user", "content": tokenizer.decode(ids)}]})
+            else:
+                payloads.append({**common, "prompt": ids})
+
+        results: list[RequestResult | None] = [None] * len(payloads)
+        next_index = 0
+        in_flight = max_in_flight = 0
+
+        async def worker() -> None:
+            nonlocal next_index, in_flight, max_in_flight
+            # One event loop: taking the next index needs no lock.
+            while next_index < len(payloads):
+                i = next_index
+                next_index += 1
+                in_flight += 1
+                max_in_flight = max(max_in_flight, in_flight)
+                try:
+                    results[i] = await _send(client, url, payloads[i], len(prompts[i]), chat, config.timeout)
+                finally:
+                    in_flight -= 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(config.concurrency, len(payloads)))))
+        duration = time.perf_counter() - start
+
+    done = [r for r in results if r is not None]
+    ok = [r for r in done if r.success]
+    failed = [r for r in done if not r.success]
+    return BenchServeReport(
+        base_url=base_url,
+        endpoint=config.endpoint,
+        model=model,
+        concurrency=config.concurrency,
+        num_prompts=config.num_prompts,
+        input_len=config.input_len,
+        output_len=config.output_len,
+        seed=config.seed,
+        shared_prefix_len=config.shared_prefix_len,
+        input_len_exact=not chat,
+        completed=len(ok),
+        failed=len(failed),
+        errors=dict(Counter(r.error for r in failed).most_common(10)),
+        duration_s=duration,
+        total_input_tokens=sum(r.prompt_len for r in ok),
+        total_output_tokens=sum(r.output_tokens for r in ok),
+        max_in_flight=max_in_flight,
+        usage_reported=sum(r.usage_reported for r in ok),
+        ttft_ms=_stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=_stats_ms([t for r in ok if (t := r.tpot) is not None]),
+        itl_ms=_stats_ms([x for r in ok for x in r.itl]),
+        e2e_ms=_stats_ms([r.e2e for r in ok]),
+    )

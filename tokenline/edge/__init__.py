@@ -1,0 +1,1 @@
+"""HTTP edge: OpenAI-compatible API, protocol models, errors, auth, limits and streaming."""

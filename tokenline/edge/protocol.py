@@ -1,0 +1,718 @@
+"""OpenAI-compatible request and response models, and the mapping of a request onto SamplingParams.
+
+Requests reject unknown fields (as OpenAI does) and accept, then refuse in `check()`, fields that
+would change the output in ways tokenline does not implement yet: a silently ignored `tools` or
+`response_format` would hand the client an answer it did not ask for. `null` in a request means
+"not given", so a field's default applies.
+
+Responses serialize exactly like OpenAI's with a plain `model_dump()` / `model_dump_json()`: keys
+that OpenAI always sends (`finish_reason`, `logprobs`, `content`) stay even when null, optional ones
+(`reasoning_content`, `system_fingerprint`) are left out when null, and a chunk's `usage` appears
+only when the server sets it (to a value or explicitly to None, as with `include_usage`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from tokenline.edge.errors import APIError
+from tokenline.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+__all__ = [
+    "AssistantMessage",
+    "ChatCompletionChunk",
+    "ChatCompletionChunkChoice",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatLogprobToken",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatTopLogprob",
+    "CompletionChoice",
+    "CompletionChunk",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "DeltaMessage",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "ModelCard",
+    "ModelList",
+    "PromptTokensDetails",
+    "StreamOptions",
+    "TokenizeRequest",
+    "TokenizeResponse",
+    "UsageInfo",
+    "random_id",
+]
+
+MAX_N = 16  # OpenAI allows 128; more choices than this per request is a batch job, not a chat
+MAX_STOP = 16  # OpenAI allows 4
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+# torch.Generator.manual_seed accepts exactly this range; outside it the sampler would crash.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# JSON has no -inf; OpenAI reports an impossible token's logprob as -9999.0.
+LOGPROB_FLOOR = -9999.0
+
+
+def random_id(prefix: str) -> str:
+    """A fresh response id such as ``chatcmpl-3f2a...`` (32 hex digits)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _invalid(reason: str) -> PydanticCustomError:
+    # The reason goes in as context, not as the template, so braces in it are safe.
+    return PydanticCustomError("invalid_value", "{reason}", {"reason": reason})
+
+
+def _one_of(description: str) -> WrapValidator:
+    """One clear error for a union, instead of pydantic's one error per member ("str", "list[str]")."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise _invalid(f"must be {description}") from None
+
+    return WrapValidator(validate)
+
+
+def _finite_logprob(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) or value < LOGPROB_FLOOR else value
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+Logprob = Annotated[float, AfterValidator(_finite_logprob)]
+StopField = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
+PromptField = Annotated[
+    str | list[str] | list[NonNegInt] | list[list[NonNegInt]],
+    _one_of("a string, a list of strings, a list of token ids, or a list of lists of token ids"),
+]
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients send `"n": null`, `"stream": null` for "not set"; let the default apply rather
+        # than fail on "Input should be a valid boolean". A required field has no default (it is
+        # PydanticUndefined), so a null there is dropped and reported as missing.
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or (fields[k].default is None and fields[k].default_factory is None)
+        }
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+    # OpenAI pads chunks with a random `obfuscation` field against length side channels; we do
+    # not send it, which changes nothing a client reads, so the option is accepted and ignored.
+    include_obfuscation: bool | None = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(_Request):
+    role: Role
+    content: Annotated[
+        str | list[dict[str, Any]] | None, _one_of("a string, a list of content parts, or null")
+    ] = Field(None, validate_default=True)
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    # The openai SDK echoes these back when a client appends a response message to its history;
+    # they carry nothing the prompt needs.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if content is None and role in ("system", "developer", "user", "tool"):
+            raise _invalid(f"a {role} message needs content")
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise _invalid(
+                        f"content part {i} has type {kind!r}; only 'text' parts are supported "
+                        "(this server takes text input only)"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise _invalid(f"content part {i} needs a string 'text'")
+        return content
+
+    def text(self) -> str | None:
+        """The content as one string: text parts joined by newlines (as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part["text"] for part in self.content)
+        return self.content
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    # Flatten content parts to a string: most chat templates (SmolLM2's among them) print
+    # `message['content']` as is and would render a list of parts as Python's repr.
+    out = []
+    for message in messages:
+        data = message.model_dump(exclude_none=True, exclude={"refusal", "annotations"})
+        if isinstance(message.content, list):
+            data["content"] = message.text()
+        out.append(data)
+    return out
+
+
+class _Unsupported(NamedTuple):
+    """A request field tokenline refuses unless its value is one that changes nothing."""
+
+    field: str
+    harmless: Callable[[Any], bool]
+    feature: str
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+# Fields that change the output and are not implemented yet. Remove an entry as its feature lands.
+UNSUPPORTED_CHAT_FIELDS: tuple[_Unsupported, ...] = (
+    _Unsupported("tools", lambda v: not v, "tool calling"),
+    _Unsupported("tool_choice", lambda v: v in (None, "none"), "tool calling"),
+    _Unsupported("functions", lambda v: not v, "function calling"),
+    _Unsupported("function_call", lambda v: v in (None, "none"), "function calling"),
+    _Unsupported("response_format", lambda v: v is None or v == {"type": "text"}, "structured output"),
+    _Unsupported("prediction", _unset, "predicted outputs"),
+    _Unsupported("audio", _unset, "audio output"),
+    _Unsupported("modalities", lambda v: v is None or v == ["text"], "non-text output"),
+    _Unsupported("reasoning_effort", _unset, "reasoning effort"),
+    _Unsupported("verbosity", _unset, "verbosity control"),
+    _Unsupported("web_search_options", _unset, "web search"),
+)
+UNSUPPORTED_COMPLETION_FIELDS: tuple[_Unsupported, ...] = (
+    _Unsupported("echo", lambda v: not v, "echoing the prompt"),
+    _Unsupported("suffix", lambda v: not v, "insertion (suffix)"),
+)
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # keys are token ids as strings
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopField = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    user: str | None = None  # informational
+    # vLLM extensions.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower is served earlier, as in vLLM
+
+    _unsupported: ClassVar[tuple[_Unsupported, ...]] = ()
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise _invalid(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        if any(s == "" for s in stops):
+            # An empty stop string would match before the first token.
+            raise _invalid("stop sequences must not be empty")
+        return stop
+
+    @property
+    def stream_include_usage(self) -> bool:
+        """Send a final chunk with usage (and `usage: null` on the others)."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stream_continuous_usage(self) -> bool:
+        """Send usage so far on every chunk (vLLM's `continuous_usage_stats`)."""
+        options = self.stream_options
+        return self.stream_include_usage and options is not None and options.continuous_usage_stats
+
+    def check(self) -> None:
+        """Refuse what the models accept but tokenline cannot honour; raises `APIError` (400)."""
+        for entry in self._unsupported:
+            if not entry.harmless(getattr(self, entry.field)):
+                raise APIError.bad_request(
+                    f"{entry.field} is not supported by this server yet ({entry.feature}); remove it from the request",
+                    param=entry.field,
+                )
+        if self.stream_options is not None and not self.stream:
+            raise APIError.bad_request(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not re.fullmatch(r"-?\d+", key):
+                raise APIError.bad_request(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
+
+    def _sampling_params(
+        self,
+        *,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        logprobs: int | None,
+        logprobs_param: str,
+        max_model_len: int,
+        prompt_len: int,
+        prompt_param: str,
+    ) -> SamplingParams:
+        self.check()
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {max_model_len} tokens, but the {prompt_param} "
+                f"take {prompt_len} tokens, leaving no room for a completion. Please shorten the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            # Refuse, as OpenAI does, rather than silently return a shorter answer than asked for.
+            raise APIError.bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_param} or of the completion.",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                logit_bias=self._logit_bias(),
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop_token_ids=list(self.stop_token_ids or []),
+                stop=stop,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except SamplingParamsError as e:
+            # SamplingParams names its own fields; report the request's name for them.
+            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(e.param, e.param)
+            raise APIError.bad_request(str(e), param=param) from e
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1)
+    # Informational: accepted and ignored.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Accepted so that `check()` can refuse them by name (see UNSUPPORTED_CHAT_FIELDS).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    # vLLM chat-template extensions.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    _unsupported: ClassVar[tuple[_Unsupported, ...]] = UNSUPPORTED_CHAT_FIELDS
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError.bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false to continue the final message)",
+                param="continue_final_message",
+            )
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as dicts for the chat template: nulls dropped, text parts joined."""
+        return _template_messages(self.messages)
+
+    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+        """Map onto the engine's SamplingParams; raises `APIError` (400) naming the offending field.
+
+        Without max_tokens the completion may fill the context (`max_model_len - prompt_len`).
+        """
+        if self.max_completion_tokens is not None:
+            max_tokens, max_tokens_param = self.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_tokens_param = self.max_tokens, "max_tokens"
+        return self._sampling_params(
+            max_tokens=max_tokens,
+            max_tokens_param=max_tokens_param,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            logprobs_param="top_logprobs",
+            max_model_len=max_model_len,
+            prompt_len=prompt_len,
+            prompt_param="messages",
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions (the legacy text completions API)."""
+
+    prompt: PromptField
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: add BOS etc. when tokenizing a text prompt
+
+    _unsupported: ClassVar[tuple[_Unsupported, ...]] = UNSUPPORTED_COMPLETION_FIELDS
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise _invalid("must not be empty")
+            if any(isinstance(p, list) and not p for p in prompt):
+                raise _invalid("a list of token ids must not be empty")
+        return prompt
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of != self.n:
+            # best_of > n means sampling extra candidates and ranking them, which we do not do.
+            raise APIError.bad_request(
+                f"best_of is only supported when equal to n (got best_of={self.best_of}, n={self.n})",
+                param="best_of",
+            )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: each entry is text or token ids; each gets `n` choices."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+        """Map onto the engine's SamplingParams for one prompt of the batch; raises `APIError` (400)."""
+        return self._sampling_params(
+            max_tokens=self.max_tokens,
+            max_tokens_param="max_tokens",
+            logprobs=self.logprobs,
+            logprobs_param="logprobs",
+            max_model_len=max_model_len,
+            prompt_len=prompt_len,
+            prompt_param="prompt",
+        )
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: either `prompt` or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: add them for a text prompt, not for messages (the template already writes BOS).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError.bad_request("give exactly one of prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError.bad_request("messages must not be empty", param="messages")
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise APIError.bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+    @property
+    def use_special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.prompt is not None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return _template_messages(self.messages or [])
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    # Keys OpenAI leaves out when they have no value (others are sent as null).
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset()
+    # Keys left out unless the server set them, even to None (a chunk's `usage`).
+    _drop_if_unset: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _openai_shape(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for key in self._drop_if_none:
+                if key in data and data[key] is None:
+                    del data[key]
+            for key in self._drop_if_unset:
+                if key in data and data[key] is None and key not in self.model_fields_set:
+                    del data[key]
+        return data
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int | None = None  # computed when not given
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @model_validator(mode="after")
+    def _total(self) -> UsageInfo:
+        if self.total_tokens is None:
+            self.total_tokens = self.prompt_tokens + self.completion_tokens
+        return self
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprobToken] | None = None
+
+
+class AssistantMessage(_Response):
+    """A choice's `message` in a chat completion."""
+
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"reasoning_content"})
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class DeltaMessage(_Response):
+    """A chunk's `delta`: only what is new (an empty dict on the final chunk)."""
+
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "reasoning_content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionResponseChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length", ...
+
+
+class ChatCompletionResponse(_Response):
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"system_fingerprint"})
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ChatCompletionChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE event of a streamed chat completion; every chunk of a stream shares id and created."""
+
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"system_fingerprint"})
+    _drop_if_unset: ClassVar[frozenset[str]] = frozenset({"usage"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChunkChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)  # None for an echoed first token
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    """A choice in a completion response and in a completion chunk (OpenAI uses one shape)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"system_fingerprint"})
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(_Response):
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"system_fingerprint"})
+    _drop_if_unset: ClassVar[frozenset[str]] = frozenset({"usage"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Response):
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"max_model_len"})
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tokenline"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+

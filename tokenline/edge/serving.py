@@ -1,0 +1,421 @@
+"""Chat and text completions: prompt in, engine requests out, OpenAI responses or SSE chunks back.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests whose outputs share one collector.
+Each sequence's ids become text through a ``TextStream`` (incremental detokenization + stop
+strings). Whatever ends the HTTP request early — a disconnect, a timeout, a stop string, an error —
+aborts the engine requests still running, so no KV block outlives its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenline.edge.errors import APIError
+from tokenline.edge.protocol import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    TokenizeRequest,
+    UsageInfo,
+    random_id,
+)
+from tokenline.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, OutputCollector
+from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason, TokenLogprobs
+from tokenline.frontend.chat_template import ChatTemplateError
+from tokenline.frontend.text_stream import TextStream
+from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.sampling_params import SamplingParams
+
+
+@dataclass
+class _Choice:
+    """One generated sequence of the response."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    stream: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    sent_role: bool = False
+    text_offset: int = 0  # characters already streamed (completions' logprobs.text_offset)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Generation:
+    """Everything one HTTP request has in flight."""
+
+    response_id: str
+    created: int
+    prompts: list[list[int]]
+    params: SamplingParams
+    choices: dict[str, _Choice]
+    collector: OutputCollector
+
+    def usage(self) -> UsageInfo:
+        """Prompt tokens count once per prompt (not per choice); completion tokens are those produced."""
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        cached: dict[int, int] = {}
+        for choice in self.choices.values():
+            cached[choice.prompt_index] = max(cached.get(choice.prompt_index, 0), choice.num_cached_tokens)
+        return UsageInfo.of(sum(len(p) for p in self.prompts), completion, sum(cached.values()))
+
+    def sorted_choices(self) -> list[_Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        served_model_name: str,
+        generation_config: dict[str, Any],
+        request_timeout: float | None = None,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.generation_config = generation_config
+        self.request_timeout = request_timeout
+
+    # --- shared checks -------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError.not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    @property
+    def max_model_len(self) -> int:
+        info = self.client.info
+        if info is None:
+            raise APIError.unavailable("the model is still loading; retry shortly")
+        return info.max_model_len
+
+    def ensure_ready(self) -> None:
+        if not self.client.alive:
+            if self.client.error:
+                raise APIError.server_error(f"the engine is not available: {self.client.error}")
+            raise APIError.unavailable("the engine is not running")
+        if self.client.info is None:
+            raise APIError.unavailable("the model is still loading; retry shortly")
+
+    def render_chat(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                request.template_messages(),
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), param="messages") from exc
+        # The template already wrote any BOS it wants.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
+        if not prompt_ids:
+            raise APIError.bad_request("the prompt is empty", param=param)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise APIError.bad_request(f"prompt token ids must be in [0, {vocab})", param=param)
+        if len(prompt_ids) >= self.max_model_len:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(prompt_ids)} tokens. Please reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _sampling_params(self, request: ChatCompletionRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
+        params = request.to_sampling_params(self.max_model_len, prompt_len)  # raises 400s itself
+        vocab = self.tokenizer.vocab_size
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise APIError.bad_request(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise APIError.bad_request(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        return params.with_defaults(self.generation_config)
+
+    # --- starting and consuming a generation ---------------------------------------------------
+
+    def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int) -> _Generation:
+        response_id = random_id(prefix)
+        choices: dict[str, _Choice] = {}
+        requests = []
+        for prompt_index, prompt_ids in enumerate(prompts):
+            for j in range(params.n):
+                index = prompt_index * params.n + j
+                child = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                request_id = f"{response_id}-{index}"
+                choices[request_id] = _Choice(index, request_id, prompt_index, TextStream(self.tokenizer, child, prompt_ids))
+                requests.append(EngineRequest(request_id, prompt_ids, dataclasses.replace(child, n=1), priority=priority))
+        try:
+            collector = self.client.add(requests)
+        except EngineDeadError as exc:
+            raise APIError.server_error(f"the engine is not available: {exc}") from exc
+        return _Generation(response_id, int(time.time()), prompts, params, choices, collector)
+
+    async def _updates(self, gen: _Generation) -> AsyncIterator[list[tuple[_Choice, str, list[TokenLogprobs]]]]:
+        """Yield, per batch of engine outputs, (choice, new text, new logprobs) for each choice."""
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                while not gen.collector.finished:
+                    try:
+                        outputs = await gen.collector.get()
+                    except EngineRequestError as exc:
+                        raise APIError.bad_request(str(exc), param=exc.param) from exc
+                    except EngineDeadError as exc:
+                        raise APIError.server_error(f"the engine failed while generating: {exc}") from exc
+                    yield [self._absorb(gen, output) for output in outputs]
+        except TimeoutError as exc:
+            raise APIError.timeout(f"the request did not finish within {self.request_timeout:g} s") from exc
+        finally:
+            # Disconnect, timeout, error or normal end: whatever is still running is aborted.
+            unfinished = [c.request_id for c in gen.choices.values() if not c.finished]
+            self.client.abort(unfinished)
+
+    def _absorb(self, gen: _Generation, output: EngineOutput) -> tuple[_Choice, str, list[TokenLogprobs]]:
+        choice = gen.choices[output.request_id]
+        choice.token_ids.extend(output.new_token_ids)
+        choice.num_cached_tokens = output.num_cached_tokens
+        new_logprobs = output.new_logprobs or []
+        choice.logprobs.extend(new_logprobs)
+        delta = choice.stream.push(output.new_token_ids)
+        if choice.stream.stopped:
+            choice.finish_reason = FinishReason.STOP.value
+            if not output.finished:
+                self.client.abort([choice.request_id])  # a stop string ended it: free the engine now
+                gen.collector.unfinished.discard(choice.request_id)
+        elif output.finished:
+            delta += choice.stream.finish()
+            reason = output.finish_reason
+            choice.finish_reason = FinishReason.STOP.value if reason == FinishReason.ABORT else reason.value
+        return choice, delta, new_logprobs
+
+    # --- chat ----------------------------------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        request.check()  # unsupported fields fail before any tokenizing work
+        self.ensure_ready()
+        self.check_model(request.model)
+        prompt_ids = self.render_chat(request)
+        self._check_prompt(prompt_ids, "messages")
+        params = self._sampling_params(request, len(prompt_ids))
+        gen = self._start("chatcmpl", [prompt_ids], params, request.priority)
+        if request.stream:
+            return _sse(self._chat_stream(gen, request))
+        return await _until_disconnect(self._chat_full(gen), raw)
+
+    async def _chat_full(self, gen: _Generation) -> Response:
+        async for _ in self._updates(gen):
+            pass
+        want_logprobs = gen.params.logprobs is not None
+        response = ChatCompletionResponse(
+            id=gen.response_id,
+            created=gen.created,
+            model=self.served_model_name,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=AssistantMessage(content=c.stream.text),
+                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want_logprobs else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in gen.sorted_choices()
+            ],
+            usage=gen.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _chat_stream(self, gen: _Generation, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
+        want_logprobs = gen.params.logprobs is not None
+
+        def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None) -> str:
+            body = ChatCompletionChunk(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
+            if include_usage:
+                body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
+            return f"data: {body.model_dump_json()}\n\n"
+
+        try:
+            async for updates in self._updates(gen):
+                for choice, delta, logprobs in updates:
+                    if not choice.sent_role:
+                        choice.sent_role = True
+                        yield chunk([ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))], None)
+                    if not (delta or choice.finished or (want_logprobs and logprobs)):
+                        continue
+                    entry = ChatCompletionChunkChoice(
+                        index=choice.index,
+                        delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                        finish_reason=choice.finish_reason,
+                    )
+                    if want_logprobs:
+                        ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+                        entry.logprobs = self._chat_logprobs(ids, logprobs)
+                    yield chunk([entry], gen.usage() if continuous else None)
+            if include_usage:
+                yield chunk([], gen.usage())
+        except APIError as exc:
+            yield _sse_event(exc.to_dict())
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            token = self._token_text(token_id)
+            top = []
+            for top_id, value in entry.top:
+                text = self._token_text(top_id)
+                top.append(ChatTopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8"))))
+            content.append(
+                ChatLogprobToken(token=token, logprob=entry.logprob, bytes=list(token.encode("utf-8")), top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+    # --- completions ---------------------------------------------------------------------------
+
+    async def completion(self, request: CompletionRequest, raw: Request) -> Response:
+        request.check()
+        self.ensure_ready()
+        self.check_model(request.model)
+        prompts = [
+            self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens) if isinstance(p, str) else list(p)
+            for p in request.prompts()
+        ]
+        for prompt_ids in prompts:
+            self._check_prompt(prompt_ids, "prompt")
+        # Every prompt of a batch shares the parameters; the longest one decides the context check.
+        params = self._sampling_params(request, max(len(p) for p in prompts))
+        gen = self._start("cmpl", prompts, params, request.priority)
+        if request.stream:
+            return _sse(self._completion_stream(gen, request))
+        return await _until_disconnect(self._completion_full(gen), raw)
+
+    async def _completion_full(self, gen: _Generation) -> Response:
+        async for _ in self._updates(gen):
+            pass
+        want_logprobs = gen.params.logprobs is not None
+        response = CompletionResponse(
+            id=gen.response_id,
+            created=gen.created,
+            model=self.served_model_name,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.stream.text,
+                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_logprobs else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in gen.sorted_choices()
+            ],
+            usage=gen.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _completion_stream(self, gen: _Generation, request: CompletionRequest) -> AsyncIterator[str]:
+        include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
+        want_logprobs = gen.params.logprobs is not None
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
+            body = CompletionChunk(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
+            if include_usage:
+                body.usage = usage
+            return f"data: {body.model_dump_json()}\n\n"
+
+        try:
+            async for updates in self._updates(gen):
+                for choice, delta, logprobs in updates:
+                    if not (delta or choice.finished or (want_logprobs and logprobs)):
+                        continue
+                    entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
+                    if want_logprobs:
+                        ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+                        entry.logprobs = self._completion_logprobs(ids, logprobs, choice.text_offset)
+                    choice.text_offset += len(delta)
+                    yield chunk([entry], gen.usage() if continuous else None)
+            if include_usage:
+                yield chunk([], gen.usage())
+        except APIError as exc:
+            yield _sse_event(exc.to_dict())
+        yield "data: [DONE]\n\n"
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, logprobs):
+            token = self._token_text(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append({self._token_text(i): v for i, v in entry.top})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    # --- small helpers -------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _sse_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _until_disconnect(work: Awaitable[Response], raw: Request) -> Response:
+    """Run a non-streaming handler, but cancel it (aborting its engine requests) if the client
+    hangs up first: nobody would read the answer, and its KV blocks are wanted elsewhere."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
+        pass
+    return Response(status_code=499)
+

@@ -1,0 +1,134 @@
+"""Records that cross the frontend/engine boundary (and the process boundary): no torch here.
+
+``EngineRequest`` goes in, ``EngineOutput`` comes out; the engine process sends its ``EngineStats``
+beside them. Everything is a plain dataclass so it pickles cheaply between processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenline.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or (frontend) a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # client went away, timeout, explicit cancel
+    ERROR = "error"
+
+
+@dataclass
+class EngineRequest:
+    """What the frontend hands the engine: token ids only, never text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams  # resolved with the model's generation-config defaults
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first; ties go to the earlier arrival
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic timestamps of one request's life inside the engine (seconds)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of a generated token and, when asked, the top alternatives at that step."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class EngineOutput:
+    """What one engine step tells the frontend about one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: RequestTimings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load, sent with every step's outputs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+
+
+# --- messages between the API process and the engine process --------------------------------
+
+
+@dataclass
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class EngineReady:
+    """Sent once the model is loaded and the KV cache allocated."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+
+
+@dataclass
+class EngineFailed:
+    """The engine could not start, or crashed; in-flight requests end with a server error."""
+
+    error: str
+
+
+@dataclass
+class RequestFailed:
+    """The engine refused one request (it can never fit); ``param`` names the culprit."""
+
+    request_id: str
+    param: str
+    message: str
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[EngineOutput]
+    stats: EngineStats
