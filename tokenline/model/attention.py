@@ -50,10 +50,8 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        tables = meta.decode_block_tables
-        # [D, blocks, block_size, KVH, Dh] -> [D, KVH, L, Dh]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        keys = _gather_tables(k_cache, meta.decode_block_tables)
+        values = _gather_tables(v_cache, meta.decode_block_tables)
         query = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
@@ -82,6 +80,17 @@ def paged_attention(
     return out
 
 
+def _gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Blocks of several sequences as [D, KVH, blocks * block_size, Dh].
+
+    ``index_select`` on the flattened table is a plain row gather; advanced indexing with a 2-D
+    index goes through a much slower generic kernel on CPU.
+    """
+    num_seqs, width = tables.shape
+    rows = cache.index_select(0, tables.reshape(-1))  # [D * blocks, block_size, KVH, Dh]
+    return rows.view(num_seqs, width * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
 def _gather(cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
     """The first ``context_len`` cached rows of a sequence as [KVH, context_len, Dh]."""
-    return cache[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1)
+    return cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
