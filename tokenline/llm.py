@@ -6,7 +6,6 @@ template, detokenize, stop strings); the engine only sees token ids.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -139,12 +138,12 @@ class LLM:
                 for index in range(params.n):
                     # Each of the n sequences is its own engine request; the prefix cache shares
                     # the prompt's blocks between them. Seeds differ so the samples differ.
-                    child = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+                    child = params.for_child(index)
                     request_id = f"{parent}-{index}"
                     output = CompletionOutput(index, "", [], None)
                     result.outputs.append(output)
                     sequences[request_id] = _Sequence(output, TextStream(self.tokenizer, child, prompt_ids))
-                    self.engine.add_request(EngineRequest(request_id, prompt_ids, dataclasses.replace(child, n=1)))
+                    self.engine.add_request(EngineRequest(request_id, prompt_ids, child))
                     added.append(request_id)
                 results.append(result)
             while self.engine.has_unfinished_requests():

@@ -7,6 +7,7 @@ from the model's generation config, the way vLLM applies ``generation_config.jso
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise SamplingParamsError(name, f"{name} must be a finite number, got {value}")
         if self.n < 1:
             raise SamplingParamsError("n", f"n must be at least 1, got {self.n}")
         if self.temperature is not None and self.temperature < 0:
@@ -104,6 +109,15 @@ class SamplingParams:
         if self.temperature is None and generation_config.get("do_sample") is False:
             updates["temperature"] = 0.0
         return dataclasses.replace(self, **updates) if updates else self
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Parameters of the ``index``-th of the ``n`` sequences of a request: each is generated on
+        its own (n=1), and a seeded request gives each sequence its own seed so the samples differ."""
+        seed = self.seed
+        if seed is not None:
+            # Stay inside torch's seed range [-2**63, 2**64 - 1] whatever the caller's seed.
+            seed = (seed + index) % (1 << 64)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -197,11 +197,6 @@ def test_wrong_method_is_405_with_allow(client: httpx.Client) -> None:
 # --- bugs (see the report): these document what the server should do -----------------------
 
 
-@pytest.mark.xfail(
-    reason="BUG: pydantic lax mode coerces wrong JSON types (\"0.5\" -> 0.5, true -> 1, \"true\" -> True) "
-    "instead of a 400 as OpenAI returns; protocol._Request has no strict=True",
-    strict=True,
-)
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", "0.5"), ("max_tokens", True), ("n", "2"), ("stream", "true"), ("logprobs", 1)],
@@ -212,11 +207,6 @@ def test_wrong_json_types_are_not_coerced(client: httpx.Client, field: str, valu
     assert_openai_error(client.post(CHAT, json=body), 400, field)
 
 
-@pytest.mark.xfail(
-    reason="BUG: seed=2**64-1 with n=2 gives child seed 2**64 (serving.py _start: params.seed + j); the engine "
-    "rejects it with torch's 'Overflow when unpacking long long' and param 'prompt'",
-    strict=True,
-)
 def test_max_seed_with_n_is_accepted_or_blamed_on_seed(client: httpx.Client) -> None:
     response = client.post(CHAT, json=chat(seed=2**64 - 1, n=2, max_tokens=1, temperature=1.0))
     if response.status_code != 200:

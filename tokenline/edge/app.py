@@ -11,8 +11,8 @@ import hmac
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +107,6 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.state.serving = serving
     app.state.client = client
     install_error_handlers(app)
-    app.add_middleware(RequestIdMiddleware)
 
     if settings.api_key:
         expected = settings.api_key.encode()
@@ -121,6 +120,9 @@ def build_app(settings: ServerSettings) -> FastAPI:
                 if not hmac.compare_digest(token, expected):
                     return APIError.unauthorized("Incorrect or missing API key.").to_response()
             return await call_next(request)
+
+    # Added last so it is the outermost layer: every response, a 401 included, carries the id.
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health() -> Response:
@@ -191,13 +193,24 @@ def serve(settings: ServerSettings) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` to finish."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    # uvicorn re-raises the caught signal after a graceful shutdown, so the
+                    # process would die "by SIGTERM"; a drained shutdown is a clean exit (code 0).
+                    self._captured_signals.clear()
+
     app = build_app(settings)
     logger.info("serving %s on http://%s:%d", settings.model or DEFAULT_MODEL_NAME, settings.host, settings.port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         timeout_graceful_shutdown=int(settings.shutdown_timeout),
         log_level="info",
     )
-
+    Server(config).run()

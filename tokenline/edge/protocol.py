@@ -120,7 +120,8 @@ PromptField = Annotated[
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "0.5" is not a number and true is not an integer, as OpenAI answers (ints still pass as floats).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -174,10 +173,10 @@ class OpenAIServing:
         for prompt_index, prompt_ids in enumerate(prompts):
             for j in range(params.n):
                 index = prompt_index * params.n + j
-                child = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                child = params.for_child(j)
                 request_id = f"{response_id}-{index}"
                 choices[request_id] = _Choice(index, request_id, prompt_index, TextStream(self.tokenizer, child, prompt_ids))
-                requests.append(EngineRequest(request_id, prompt_ids, dataclasses.replace(child, n=1), priority=priority))
+                requests.append(EngineRequest(request_id, prompt_ids, child, priority=priority))
         try:
             collector = self.client.add(requests)
         except EngineDeadError as exc:
@@ -200,8 +199,7 @@ class OpenAIServing:
             raise APIError.timeout(f"the request did not finish within {self.request_timeout:g} s") from exc
         finally:
             # Disconnect, timeout, error or normal end: whatever is still running is aborted.
-            unfinished = [c.request_id for c in gen.choices.values() if not c.finished]
-            self.client.abort(unfinished)
+            self.client.release(gen.collector, [c.request_id for c in gen.choices.values() if not c.finished])
 
     def _absorb(self, gen: _Generation, output: EngineOutput) -> tuple[_Choice, str, list[TokenLogprobs]]:
         choice = gen.choices[output.request_id]
@@ -271,7 +269,8 @@ class OpenAIServing:
                 for choice, delta, logprobs in updates:
                     if not choice.sent_role:
                         choice.sent_role = True
-                        yield chunk([ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))], None)
+                        role = ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))
+                        yield chunk([role], gen.usage() if continuous else None)
                     if not (delta or choice.finished or (want_logprobs and logprobs)):
                         continue
                     entry = ChatCompletionChunkChoice(
@@ -292,13 +291,17 @@ class OpenAIServing:
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         content = []
         for token_id, entry in zip(token_ids, logprobs):
-            token = self._token_text(token_id)
-            top = []
-            for top_id, value in entry.top:
-                text = self._token_text(top_id)
-                top.append(ChatTopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8"))))
+            top = [
+                ChatTopLogprob(token=self._token_text(i), logprob=value, bytes=list(self.tokenizer.token_bytes(i)))
+                for i, value in entry.top
+            ]
             content.append(
-                ChatLogprobToken(token=token, logprob=entry.logprob, bytes=list(token.encode("utf-8")), top_logprobs=top)
+                ChatLogprobToken(
+                    token=self._token_text(token_id),
+                    logprob=entry.logprob,
+                    bytes=list(self.tokenizer.token_bytes(token_id)),
+                    top_logprobs=top,
+                )
             )
         return ChatLogprobs(content=content)
 

@@ -113,7 +113,8 @@ class AsyncEngineClient:
         self.info: EngineReady | None = None
         self.error: str | None = None
         self.stats = EngineStats()
-        self._collectors: dict[str, OutputCollector] = {}
+        self._collectors: dict[str, OutputCollector] = {}  # engine request id -> its collector
+        self._live: set[OutputCollector] = set()  # collectors whose consumer has not let go yet
         self._ready = asyncio.Event()
         self._outbox: queue.Queue[object] = queue.Queue()
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -181,6 +182,7 @@ class AsyncEngineClient:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine is not running")
         collector = OutputCollector([r.request_id for r in requests])
+        self._live.add(collector)
         for request in requests:
             self._collectors[request.request_id] = collector
             self._outbox.put(AddRequest(request))
@@ -192,8 +194,14 @@ class AsyncEngineClient:
             if self._collectors.pop(request_id, None) is not None and self.alive:
                 self._outbox.put(AbortRequest(request_id))
 
+    def release(self, collector: OutputCollector, unfinished: list[str]) -> None:
+        """The consumer is done with a collector: abort what still runs and forget its backlog."""
+        self.abort(unfinished)
+        self._live.discard(collector)
+
     def backlog_tokens(self) -> int:
-        return sum(c.backlog_tokens() for c in set(self._collectors.values()))
+        """Tokens produced but not yet taken by their consumers, finished requests included."""
+        return sum(c.backlog_tokens() for c in self._live)
 
     @property
     def num_inflight(self) -> int:
@@ -247,6 +255,6 @@ class AsyncEngineClient:
                 logger.error("engine process failed: %s", error)
         self._ready.set()
         failure = EngineDeadError(self.error)
-        for collector in set(self._collectors.values()):
+        for collector in self._live:
             collector.fail(failure)
         self._collectors.clear()

@@ -12,6 +12,7 @@ config are added if the vocabulary lacks them, and `chat_template.jinja` /
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,22 @@ def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]) -> dict[str
     return {}
 
 
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shift)
+            shift += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
+
+
 class Tokenizer:
     """A model's tokenizer: text <-> ids, special tokens, and its chat template."""
 
@@ -95,6 +112,10 @@ class Tokenizer:
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
         # The ids decode(skip_special_tokens=True) drops: added tokens flagged special.
         self._special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._special_id_set = frozenset(self._special_ids)
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        self._byte_level = "ByteLevel" in kinds
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> Tokenizer:
@@ -162,6 +183,19 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (logprobs report them: a byte-level token may hold
+        only part of a UTF-8 character, which decoding alone shows as U+FFFD)."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id not in self._special_id_set:
+            if self._byte_level and all(c in _UNICODE_TO_BYTE for c in token):
+                return bytes(_UNICODE_TO_BYTE[c] for c in token)
+            if (byte := _BYTE_FALLBACK.fullmatch(token)) is not None:
+                return bytes([int(byte.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
