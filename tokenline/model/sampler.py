@@ -197,7 +197,7 @@ class Sampler:
 
         # Fast path: one argmax, no float32 copy.
         if metadata.all_greedy and not metadata.needs_logits_processing and metadata.max_num_logprobs is None:
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(_argmax(logits), None, None, None)
 
         # A private float32 copy: every stage below works in place and must not touch the runner's logits.
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -206,9 +206,9 @@ class Sampler:
         apply_logits_processors(x, metadata)
 
         if metadata.all_greedy:
-            token_ids = x.argmax(dim=-1)
+            token_ids = _argmax(x)
         else:
-            greedy_ids = x.argmax(dim=-1) if metadata.greedy_mask is not None else None
+            greedy_ids = _argmax(x) if metadata.greedy_mask is not None else None
             token_ids = self._sample_random(x, metadata)
             if greedy_ids is not None:
                 token_ids = torch.where(metadata.greedy_mask, greedy_ids, token_ids)
@@ -358,4 +358,10 @@ def _exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.
     for row, generator in seeded.items():
         noise[row].uniform_(generator=generator)
     noise.log_().neg_()
-    return probs.div_(noise).argmax(dim=-1)
+    return _argmax(probs.div_(noise))
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum (the first one on ties, like argmax). ``max`` has a vectorized CPU
+    kernel and is several times faster than ``argmax`` over a vocabulary-wide row."""
+    return x.max(dim=-1).indices
