@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve test bench clean redis-server
 
 install: $(STAMP) model
 
@@ -25,8 +25,12 @@ model: $(STAMP)
 serve: install
 	$(VENV)/bin/tokenline serve $(ARGS)
 
-test: install
+test: install redis-server
 	$(PY) -m pytest -q $(ARGS)
+
+# The shared rate-limit tests run a real Redis; Debian's package provides the server binary.
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
 bench: install
 	$(VENV)/bin/tokenline bench throughput $(ARGS)

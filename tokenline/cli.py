@@ -53,8 +53,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        keys_file=args.keys,
+        redis_url=args.redis_url,
+        usage_db=args.usage_db,
+        prices_file=args.prices,
+        log_prompts=args.log_prompts,
         request_timeout=args.request_timeout or None,
         shutdown_timeout=args.shutdown_timeout,
+        max_request_bytes=args.max_request_bytes,
+        max_messages=args.max_messages,
+        max_tokens_cap=args.max_tokens_cap,
         engine=engine_config_from_args(args),
     )
     serve(settings)
@@ -127,6 +135,30 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if report.failed == 0 else 1
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    from tokenline.edge.ledger import usage_command
+
+    return usage_command(args.db, args.since, args.until, args.tenant, args.json)
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    from tokenline.edge.keys import KeyFileError, add_key
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    try:
+        key = add_key(args.file, args.name, models=models, admin=args.admin, requests_per_minute=args.rpm,
+                      tokens_per_minute=args.tpm, max_concurrent=args.max_concurrent,
+                      daily_tokens=args.daily_tokens)
+    except (KeyFileError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    # The key alone on stdout (so `KEY=$(tokenline keys add ...)` works); the note on stderr.
+    print(key)
+    print(f"Added tenant {args.name!r} to {args.file}. Store this key now: it cannot be shown again "
+          "(the file keeps only its SHA-256).", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenline", description="LLM inference server")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model argument)")
     p.add_argument("--api-key", default=None, help="require this key as a Bearer token on /v1/*")
+    p.add_argument("--keys", default=None, help="TOML file of tenants (hashed keys, models, limits); see README")
+    p.add_argument("--redis-url", default=None, help="share rate-limit state between servers through Redis")
+    p.add_argument("--usage-db", default=None, help="SQLite usage ledger (default: $TOKENLINE_HOME/usage.sqlite3)")
+    p.add_argument("--prices", default=None, help="TOML price table, USD per million tokens per model")
+    p.add_argument("--log-prompts", action="store_true", help="include user text in logs (off by default)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get a 413")
+    p.add_argument("--max-messages", type=int, default=1024, help="most messages in one chat request")
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (0 = no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
@@ -188,6 +228,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_serve)
+
+    p = commands.add_parser("usage", help="usage and cost per tenant and model, from the usage ledger")
+    p.add_argument("--db", default=None, help="ledger database (default: $TOKENLINE_HOME/usage.sqlite3)")
+    p.add_argument("--since", default=None, help="from this time: unix seconds or ISO 8601 (UTC unless it says)")
+    p.add_argument("--until", default=None, help="up to (not including) this time")
+    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_usage)
+
+    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="keys", required=True)
+    p = keys.add_parser("add", help="create a key for a new tenant and print it once")
+    p.add_argument("name", help="tenant name")
+    p.add_argument("--file", required=True, help="keys file (TOML); created if missing")
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
+    p.add_argument("--tpm", type=int, default=None, help="tokens per minute, prompt + max_tokens (default: unlimited)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="requests in flight at once (default: unlimited)")
+    p.add_argument("--daily-tokens", type=int, default=None, help="tokens per UTC day (default: unlimited)")
+    p.add_argument("--models", default=None, help="comma-separated model names (default: all)")
+    p.add_argument("--admin", action="store_true", help="may call admin endpoints (usage, reload)")
+    p.set_defaults(func=cmd_keys_add)
     return parser
 
 

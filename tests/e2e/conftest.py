@@ -30,13 +30,16 @@ class Server:
         return f"{self.base_url}/v1"
 
     def metrics(self) -> dict[str, float]:
-        """The unlabelled samples of /metrics, by name."""
+        """The samples of /metrics by name; a sample labelled only with the model name is keyed by
+        its bare name too (``vllm:num_requests_running``), others by ``name{labels}``."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
         values = {}
         for line in text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
+            if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 values[name] = float(value)
+                if name.endswith("}") and name.count("=") == 1 and "{model_name=" in name:
+                    values[name.split("{", 1)[0]] = float(value)
         return values
 
     def log(self) -> str:
@@ -55,7 +58,7 @@ def start_server(tmp_path: Path, *args: str, wait_ready: bool = True) -> Iterato
     log_path = tmp_path / f"server-{port}.log"
     command = [
         sys.executable, "-m", "tokenline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--kv-cache-memory", "0.25", *args,
+        "--kv-cache-memory", "0.25", "--usage-db", str(tmp_path / f"usage-{port}.sqlite3"), *args,
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

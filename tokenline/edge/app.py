@@ -7,13 +7,17 @@ while the model loads and after the engine dies, and 200 when it is ready.
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import dataclasses
 import logging
+import signal
+import time
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,14 +26,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenline import __version__
 from tokenline.edge.errors import APIError, install_error_handlers
-from tokenline.edge.metrics import make_registry, metrics_response
+from tokenline.edge.keys import KeyStore
+from tokenline.edge.ledger import PriceTable, UsageLedger, default_ledger_path, parse_time
+from tokenline.edge.metrics import ServerMetrics
+from tokenline.edge.rate_limit import RateLimiter, make_rate_limiter
+from tokenline.edge.trace import RequestTrace, TraceStore
 from tokenline.edge.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from tokenline.edge.serving import OpenAIServing
+from tokenline.edge.serving import OpenAIServing, RequestContext
 from tokenline.engine.async_client import AsyncEngineClient
 from tokenline.engine.config import EngineConfig
 from tokenline.frontend.tokenizer import Tokenizer
@@ -47,9 +55,17 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # one key, like vLLM's --api-key
+    keys_file: str | None = None  # tenants with hashed keys and limits (TOML)
+    redis_url: str | None = None  # share rate-limit state between servers
+    usage_db: str | None = None  # the usage ledger (SQLite); default under TOKENLINE_HOME
+    prices_file: str | None = None  # USD per million input / output tokens, per model (TOML)
+    log_prompts: bool = False  # user text is never logged unless asked
     request_timeout: float | None = 600.0  # seconds a request may take end to end
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    max_request_bytes: int = 4 * 1024 * 1024  # request bodies above this get a 413 unread
+    max_messages: int = 1024
+    max_tokens_cap: int | None = None  # largest max_tokens a request may ask for
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -62,28 +78,90 @@ def sanitize_request_id(value: str | None) -> str:
     return uuid.uuid4().hex
 
 
-class RequestIdMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection pass through."""
+class EdgeMiddleware:
+    """The door, as pure ASGI (so streaming and disconnect detection pass through untouched):
+    stamps arrival, assigns the request id, refuses oversized bodies before reading them, and
+    adds the id (and any rate-limit headers the handler left) to every response."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_request_bytes: int,
+        keys: KeyStore | None,
+        limiter: RateLimiter | None,
+        metrics: ServerMetrics,
+    ) -> None:
         self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.keys = keys
+        self.limiter = limiter
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        state = scope.setdefault("state", {})
+        state["arrived"] = time.monotonic()
         headers = dict(scope.get("headers") or [])
         raw = headers.get(b"x-request-id")
         request_id = sanitize_request_id(raw.decode("latin-1") if raw else None)
-        scope.setdefault("state", {})["request_id"] = request_id
+        state["request_id"] = request_id
+        state["extra_headers"] = {}
 
-        async def send_with_id(message: Message) -> None:
+        async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                extra = [(k.encode(), v.encode()) for k, v in state["extra_headers"].items()]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode()), *extra]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            self.metrics.rejected.labels("body_too_large").inc()
+            await APIError.payload_too_large(self._too_large()).to_response()(scope, receive, send_with_headers)
+            return
+        state["tenant"] = None
+        path = scope.get("path", "")
+        if self.keys is not None and (path.startswith("/v1") or path.startswith("/admin")):
+            tenant = self.keys.authenticate(_bearer_token(headers.get(b"authorization")))  # constant time
+            if tenant is None:
+                self.metrics.rejected.labels("unauthorized").inc()
+                error = APIError.unauthorized("Incorrect or missing API key.")
+                await error.to_response()(scope, receive, send_with_headers)
+                return
+            state["tenant"] = tenant
+            if self.limiter is not None:
+                limits = await self.limiter.headers(tenant)  # as OpenAI: on every response of a limited key
+                if limits is not None:
+                    state["extra_headers"].update(limits.as_dict())
+        state["authenticated"] = time.monotonic()
+        received = 0
+
+        async def receive_limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_request_bytes:  # chunked bodies declare no length
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, receive_limited, send_with_headers)
+        except _BodyTooLarge:
+            await APIError.payload_too_large(self._too_large()).to_response()(scope, receive, send_with_headers)
+
+    def _too_large(self) -> str:
+        return f"the request body exceeds the limit of {self.max_request_bytes} bytes"
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _bearer_token(header: bytes | None) -> str | None:
+    given = header.decode("latin-1") if header else ""
+    return given[7:].strip() if given.lower().startswith("bearer ") else None
 
 
 def build_app(settings: ServerSettings) -> FastAPI:
@@ -92,37 +170,88 @@ def build_app(settings: ServerSettings) -> FastAPI:
     tokenizer = Tokenizer.from_dir(model_dir)
     served_model_name = settings.served_model_name or (settings.model or DEFAULT_MODEL_NAME)
     client = AsyncEngineClient(settings.engine, model_dir, tokenizer.vocab_size)
+    metrics = ServerMetrics(client, served_model_name)
+    traces = TraceStore()
+    keys: KeyStore | None = None
+    if settings.keys_file:
+        keys = KeyStore.from_file(settings.keys_file)
+    elif settings.api_key:
+        keys = KeyStore.single_key(settings.api_key)
+    limiter = make_rate_limiter(settings.redis_url) if keys is not None else None
+    prices = PriceTable.from_file(settings.prices_file) if settings.prices_file else PriceTable.from_dict({})
+    ledger = UsageLedger(Path(settings.usage_db) if settings.usage_db else default_ledger_path(), prices)
     serving = OpenAIServing(
-        client, tokenizer, served_model_name, model_config.generation_config, settings.request_timeout
+        client,
+        tokenizer,
+        served_model_name,
+        model_config.generation_config,
+        metrics,
+        request_timeout=settings.request_timeout,
+        limiter=limiter,
+        ledger=ledger,
+        log_prompts=settings.log_prompts,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
         logger.info("engine process %s loading %s", client.pid, model_dir)
+        if keys is not None and settings.keys_file:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGHUP, reload_keys)
         yield
         await client.shutdown()
+        await serving.drain()
+        ledger.close()
+        if limiter is not None:
+            await limiter.close()
+
+    def reload_keys() -> None:
+        try:
+            tenants = keys.reload()  # type: ignore[union-attr]
+            logger.info("keys reloaded: %d tenants", len(tenants))
+        except Exception as exc:  # noqa: BLE001 - a bad file keeps the old tenants
+            logger.error("keys reload failed, keeping the previous tenants: %s", exc)
+            raise
 
     app = FastAPI(title="tokenline", version=__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.client = client
     install_error_handlers(app)
 
-    if settings.api_key:
-        expected = settings.api_key.encode()
+    # The only middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
+    app.add_middleware(
+        EdgeMiddleware, max_request_bytes=settings.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics
+    )
 
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next: Any) -> Response:
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                token = given[7:].encode() if given.lower().startswith("bearer ") else b""
-                # Constant-time comparison: the time taken must not reveal how much of a key matched.
-                if not hmac.compare_digest(token, expected):
-                    return APIError.unauthorized("Incorrect or missing API key.").to_response()
-            return await call_next(request)
+    def context(request: Request, model: str | None) -> RequestContext:
+        trace = RequestTrace(request.state.request_id, model=model)
+        trace.mark("arrived", request.state.arrived)
+        trace.mark("authenticated", request.state.authenticated)
+        tenant = request.state.tenant
+        if tenant is not None:
+            trace.tenant = tenant.name
+            if model is not None and not keys.allows_model(tenant, model):  # type: ignore[union-attr]
+                metrics.rejected.labels("model_not_allowed").inc()
+                raise APIError.not_found(
+                    f"The model `{model}` does not exist or you do not have access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
+        traces.add(trace)
+        return RequestContext(request.state.request_id, trace, tenant, request.state.extra_headers)
 
-    # Added last so it is the outermost layer: every response, a 401 included, carries the id.
-    app.add_middleware(RequestIdMiddleware)
+    def check_limits(messages: int, max_tokens: int | None, param: str) -> None:
+        if messages > settings.max_messages:
+            metrics.rejected.labels("too_many_messages").inc()
+            raise APIError.bad_request(
+                f"{messages} messages exceed this server's limit of {settings.max_messages}", param="messages"
+            )
+        if settings.max_tokens_cap is not None and max_tokens is not None and max_tokens > settings.max_tokens_cap:
+            metrics.rejected.labels("max_tokens_cap").inc()
+            raise APIError.bad_request(
+                f"{param} is {max_tokens}; this server allows at most {settings.max_tokens_cap}", param=param
+            )
 
     @app.get("/health")
     async def health() -> Response:
@@ -137,29 +266,73 @@ def build_app(settings: ServerSettings) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
         info = client.info
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "tokenline",
-                    "root": str(model_dir),
-                    "max_model_len": info.max_model_len if info else None,
-                }
-            ],
-        }
+        tenant = request.state.tenant
+        visible = tenant is None or keys.allows_model(tenant, served_model_name)  # type: ignore[union-attr]
+        cards = [
+            {
+                "id": served_model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tokenline",
+                "root": str(model_dir),
+                "max_model_len": info.max_model_len if info else None,
+            }
+        ]
+        return {"object": "list", "data": cards if visible else []}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
+        ctx = context(request, body.model)
+        check_limits(len(body.messages), body.max_completion_tokens or body.max_tokens,
+                     "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        return await serving.chat(body, request, ctx)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completion(body, request)
+        ctx = context(request, body.model)
+        check_limits(0, body.max_tokens, "max_tokens")
+        return await serving.completion(body, request, ctx)
+
+    @app.get("/v1/requests/{request_id}/trace")
+    async def request_trace(request_id: str, request: Request) -> dict[str, Any]:
+        trace = traces.get(request_id)
+        tenant = request.state.tenant
+        # Another tenant's request is reported as absent, not as forbidden: ids must not leak.
+        if trace is None or (tenant is not None and trace.tenant != tenant.name and not tenant.admin):
+            raise APIError.not_found(f"no trace for request {request_id!r}", param="request_id")
+        return trace.to_dict()
+
+    @app.get("/admin/usage")
+    async def admin_usage(request: Request, since: str | None = None, until: str | None = None,
+                          tenant: str | None = None) -> dict[str, Any]:
+        require_admin(request)
+        try:
+            start = parse_time(since) if since else None
+            end = parse_time(until) if until else None
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), param="since" if since else "until") from exc
+        rows = await asyncio.to_thread(ledger.summary, start, end, tenant)
+        return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
+
+    @app.post("/admin/keys/reload")
+    async def admin_reload(request: Request) -> dict[str, Any]:
+        require_admin(request)
+        if keys is None or not settings.keys_file:
+            raise APIError.bad_request("this server has no keys file to reload")
+        try:
+            tenants = keys.reload()
+        except Exception as exc:  # noqa: BLE001
+            raise APIError.bad_request(f"the keys file is invalid; the previous tenants stay: {exc}") from exc
+        return {"tenants": len(tenants)}
+
+    def require_admin(request: Request) -> None:
+        tenant = request.state.tenant
+        if keys is None:
+            raise APIError.not_found("admin endpoints need --api-key or --keys")
+        if tenant is None or not tenant.admin:
+            raise APIError.forbidden("this key may not use admin endpoints")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -180,11 +353,9 @@ def build_app(settings: ServerSettings) -> FastAPI:
             raise APIError.bad_request(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    registry = make_registry(client)
-
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return metrics_response(registry)
+    async def prometheus_metrics() -> Response:
+        return metrics.response()
 
     return app
 

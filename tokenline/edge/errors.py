@@ -80,6 +80,10 @@ class APIError(Exception):
         return cls(401, message, "authentication_error", None, code, {"WWW-Authenticate": "Bearer"})
 
     @classmethod
+    def forbidden(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
+        return cls(403, message, "permission_error", param, code)
+
+    @classmethod
     def not_found(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
         return cls(404, message, "not_found_error", param, code)
 

@@ -1,7 +1,10 @@
 """``/metrics`` in Prometheus text format, with the series names vLLM dashboards already scrape.
 
-Gauges are read from the engine's latest stats at scrape time by a custom collector, so nothing
-is double-booked between the engine process and the API process.
+Engine gauges (running, waiting, KV usage) and engine counters (preemptions, prefix-cache queries
+and hits) are read from the engine's latest stats at scrape time. Per-request histograms are
+observed in the API process once per engine request: TTFT when its first token arrives, the rest
+when it finishes — so TTFT's count is the number of requests that produced a first token and
+e2e latency's count equals the sum of ``vllm:request_success_total``.
 """
 
 from __future__ import annotations
@@ -9,26 +12,48 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenline.engine.async_client import AsyncEngineClient
+from tokenline.engine.messages import RequestTimings
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
-class EngineCollector(Collector):
-    def __init__(self, client: AsyncEngineClient) -> None:
+class _EngineCollector(Collector):
+    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
         self.client = client
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self.client.stats
-        yield GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", stats.kv_cache_usage)
-        yield CounterMetricFamily("vllm:num_preemptions", "Preemptions so far.", stats.num_preemptions)
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%).", stats.kv_cache_usage)
+        yield counter("vllm:num_preemptions", "Preemptions so far.", stats.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         yield GaugeMetricFamily("tokenline_kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_kv_blocks)
         yield GaugeMetricFamily("tokenline_kv_cache_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks)
-        yield GaugeMetricFamily("tokenline_inflight_requests", "Engine requests the API process waits on.", self.client.num_inflight)
+        yield GaugeMetricFamily(
+            "tokenline_inflight_requests", "Engine requests the API process waits on.", self.client.num_inflight
+        )
         yield GaugeMetricFamily(
             "tokenline_stream_backlog_tokens",
             "Generated tokens not yet taken by their (slow) clients.",
@@ -36,11 +61,73 @@ class EngineCollector(Collector):
         )
 
 
-def make_registry(client: AsyncEngineClient) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(client))
-    return registry
+class ServerMetrics:
+    """The server's own registry (no global state): engine series plus per-request observations."""
 
+    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(client, model_name))
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", [*m, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output updates.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Decode time per output token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling.", m,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "First scheduling to first token.", m,
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "First token to last token.", m,
+                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                                   m, buckets=_TOKEN_BUCKETS, registry=r)
+        # The edge's own series.
+        self.rejected = Counter("tokenline_rejected_requests", "Requests refused at the edge, by reason.",
+                                ["reason"], registry=r)
+        self.rate_limited = Counter("tokenline_rate_limited_requests", "Requests refused by a rate limit.",
+                                    ["tenant", "limit"], registry=r)
+        self.spend = Counter("tokenline_spend_usd", "Spend recorded in the usage ledger (USD).",
+                             ["tenant", "model_name"], registry=r)
 
-def metrics_response(registry: CollectorRegistry) -> Response:
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.labels(self.model_name).observe(ttft_s)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def finished(
+        self, prompt_tokens: int, completion_tokens: int, finish_reason: str, timings: RequestTimings | None,
+        arrival: float, finished_at: float,
+    ) -> None:
+        """One engine request ended (for any reason): count it once in every per-request series."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(completion_tokens)
+        self.request_success.labels(name, finish_reason).inc()
+        self.e2e.labels(name).observe(max(0.0, finished_at - arrival))
+        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(completion_tokens)
+        if timings is None or timings.first_scheduled is None:
+            return
+        self.queue.labels(name).observe(max(0.0, timings.first_scheduled - arrival))
+        if timings.first_token is None:
+            return
+        self.prefill.labels(name).observe(max(0.0, timings.first_token - timings.first_scheduled))
+        last = timings.last_token or timings.first_token
+        self.decode.labels(name).observe(max(0.0, last - timings.first_token))
+        if completion_tokens > 1:
+            self.tpot.labels(name).observe(max(0.0, last - timings.first_token) / (completion_tokens - 1))
+
+    def response(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -19,6 +20,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenline.edge.errors import APIError
+from tokenline.edge.keys import Tenant
+from tokenline.edge.ledger import UsageLedger, UsageRecord
+from tokenline.edge.metrics import ServerMetrics
+from tokenline.edge.rate_limit import RateLimiter, Reservation
+from tokenline.edge.trace import RequestTrace
 from tokenline.edge.protocol import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -46,6 +52,26 @@ from tokenline.frontend.text_stream import TextStream
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.sampling_params import SamplingParams
 
+logger = logging.getLogger("tokenline.edge")
+
+
+@dataclass
+class RequestContext:
+    """What the edge knows about one HTTP request before the model sees it."""
+
+    request_id: str
+    trace: RequestTrace
+    tenant: Tenant | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, sent by the door
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant.name if self.tenant is not None else "anonymous"
+
+    @property
+    def arrival(self) -> float:
+        return self.trace.stamps["arrived"]
+
 
 @dataclass
 class _Choice:
@@ -61,10 +87,21 @@ class _Choice:
     num_cached_tokens: int = 0
     sent_role: bool = False
     text_offset: int = 0  # characters already streamed (completions' logprobs.text_offset)
+    # The engine's final word (it may come after the client's view ended, e.g. after a stop string).
+    engine_final: EngineOutput | None = None
+    first_token_at: float | None = None
+    last_output_at: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_produced(self) -> int:
+        """Tokens the engine actually generated (what is billed), known exactly once it is final."""
+        if self.engine_final is not None:
+            return self.engine_final.num_output_tokens
+        return len(self.token_ids)
 
 
 @dataclass
@@ -77,6 +114,8 @@ class _Generation:
     params: SamplingParams
     choices: dict[str, _Choice]
     collector: OutputCollector
+    ctx: RequestContext
+    reservation: Reservation | None = None
 
     def usage(self) -> UsageInfo:
         """Prompt tokens count once per prompt (not per choice); completion tokens are those produced."""
@@ -97,13 +136,27 @@ class OpenAIServing:
         tokenizer: Tokenizer,
         served_model_name: str,
         generation_config: dict[str, Any],
+        metrics: ServerMetrics,
         request_timeout: float | None = None,
+        limiter: RateLimiter | None = None,
+        ledger: UsageLedger | None = None,
+        log_prompts: bool = False,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.generation_config = generation_config
+        self.metrics = metrics
         self.request_timeout = request_timeout
+        self.limiter = limiter
+        self.ledger = ledger
+        self.log_prompts = log_prompts
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def drain(self, timeout: float = 15.0) -> None:
+        """Let receipts still being written in the background finish (at shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
 
     # --- shared checks -------------------------------------------------------------------------
 
@@ -126,7 +179,7 @@ class OpenAIServing:
         if self.client.info is None:
             raise APIError.unavailable("the model is still loading; retry shortly")
 
-    def render_chat(self, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    def render_chat(self, request: ChatCompletionRequest | TokenizeRequest, trace: RequestTrace | None = None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
                 request.template_messages(),
@@ -138,8 +191,13 @@ class OpenAIServing:
             raise APIError.bad_request(f"the chat template rejected the messages: {exc}", param="messages") from exc
         except ValueError as exc:
             raise APIError.bad_request(str(exc), param="messages") from exc
+        if trace is not None:
+            trace.mark("rendered")
         # The template already wrote any BOS it wants.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if trace is not None:
+            trace.mark("tokenized")
+        return ids
 
     def _check_prompt(self, prompt_ids: list[int], param: str) -> None:
         if not prompt_ids:
@@ -166,7 +224,22 @@ class OpenAIServing:
 
     # --- starting and consuming a generation ---------------------------------------------------
 
-    def _start(self, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int) -> _Generation:
+    async def _start(
+        self, ctx: RequestContext, prefix: str, prompts: list[list[int]], params: SamplingParams, priority: int
+    ) -> _Generation:
+        ctx.trace.prompt_tokens = sum(len(p) for p in prompts)
+        reservation = None
+        if self.limiter is not None and ctx.tenant is not None:
+            # Tokens are charged before any expensive work: the prompt plus the completion reserved.
+            reserve = params.max_tokens or 0
+            try:
+                reservation = await self.limiter.acquire(ctx.tenant, ctx.trace.prompt_tokens, reserve * params.n * len(prompts))
+            except APIError as exc:
+                self.metrics.rejected.labels("rate_limited").inc()
+                self.metrics.rate_limited.labels(ctx.tenant.name, _limit_name(exc)).inc()
+                raise
+            if reservation.headers is not None:
+                ctx.response_headers.update(reservation.headers.as_dict())
         response_id = random_id(prefix)
         choices: dict[str, _Choice] = {}
         requests = []
@@ -180,29 +253,125 @@ class OpenAIServing:
         try:
             collector = self.client.add(requests)
         except EngineDeadError as exc:
+            if reservation is not None:
+                await self.limiter.settle(reservation, 0)  # type: ignore[union-attr]
             raise APIError.server_error(f"the engine is not available: {exc}") from exc
-        return _Generation(response_id, int(time.time()), prompts, params, choices, collector)
+        ctx.trace.mark("queued")
+        return _Generation(response_id, int(time.time()), prompts, params, choices, collector, ctx, reservation)
 
     async def _updates(self, gen: _Generation) -> AsyncIterator[list[tuple[_Choice, str, list[TokenLogprobs]]]]:
-        """Yield, per batch of engine outputs, (choice, new text, new logprobs) for each choice."""
+        """Yield, per batch of engine outputs, (choice, new text, new logprobs) for each choice.
+
+        On a normal end the receipt (usage ledger, metrics, rate-limit settlement, trace) is
+        written before this returns, so a client that saw the end of its response is billed
+        durably. Any other end — disconnect, timeout, error — aborts what still runs and writes
+        the receipt in the background once the engine reports the tokens actually produced.
+        """
+        status = "failed"
         try:
             async with asyncio.timeout(self.request_timeout):
-                while not gen.collector.finished:
+                while not all(c.finished for c in gen.choices.values()):
                     try:
                         outputs = await gen.collector.get()
                     except EngineRequestError as exc:
                         raise APIError.bad_request(str(exc), param=exc.param) from exc
                     except EngineDeadError as exc:
                         raise APIError.server_error(f"the engine failed while generating: {exc}") from exc
-                    yield [self._absorb(gen, output) for output in outputs]
+                    updates = [self._absorb(gen, output) for output in outputs]
+                    if updates:
+                        yield updates
+            status = "finished"
         except TimeoutError as exc:
+            status = "timed_out"
             raise APIError.timeout(f"the request did not finish within {self.request_timeout:g} s") from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"  # the client went away
+            raise
         finally:
-            # Disconnect, timeout, error or normal end: whatever is still running is aborted.
-            self.client.release(gen.collector, [c.request_id for c in gen.choices.values() if not c.finished])
+            if status != "finished":
+                self._abort(gen)
+                task = asyncio.get_running_loop().create_task(self._settle(gen, status))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        await self._settle(gen, status)
+
+    def _abort(self, gen: _Generation) -> None:
+        self.client.abort([c.request_id for c in gen.choices.values() if c.engine_final is None])
+
+    async def _settle(self, gen: _Generation, status: str) -> None:
+        """Write the request's receipt once the engine has said its last word on every sequence."""
+        self._abort(gen)  # sequences a stop string ended may still run: stop them (no-op otherwise)
+        try:
+            async with asyncio.timeout(10.0):
+                while not gen.collector.finished:
+                    for output in await gen.collector.get():
+                        self._absorb_final(gen, output)
+        except (TimeoutError, EngineDeadError, EngineRequestError):
+            pass  # the engine is gone or silent: bill what we saw
+        self.client.forget(gen.collector)
+        ctx, now = gen.ctx, time.monotonic()
+        ctx.trace.mark("finished", now)
+        usage = gen.usage()
+        completion = sum(c.num_produced for c in gen.choices.values())
+        for choice in gen.choices.values():
+            final = choice.engine_final
+            reason = choice.finish_reason or (final.finish_reason.value if final and final.finish_reason else "abort")
+            if status == "cancelled" or status == "timed_out":
+                reason = "abort"
+            timings = final.timings if final is not None else None
+            if timings is not None:
+                if timings.first_scheduled is not None:
+                    ctx.trace.mark("first_scheduled", timings.first_scheduled)
+                ctx.trace.num_steps = max(ctx.trace.num_steps, timings.num_steps)
+                ctx.trace.num_shared_steps = max(ctx.trace.num_shared_steps, timings.num_shared_steps)
+            self.metrics.finished(
+                len(gen.prompts[choice.prompt_index]), choice.num_produced, reason, timings, ctx.arrival, now
+            )
+        ctx.trace.status = status
+        ctx.trace.completion_tokens = completion
+        if gen.reservation is not None and self.limiter is not None:
+            await self.limiter.settle(gen.reservation, completion)
+        if self.ledger is not None:
+            record = UsageRecord(
+                request_id=ctx.request_id,
+                tenant=ctx.tenant_name,
+                model=self.served_model_name,
+                status=status,
+                finish_reason=next((c.finish_reason for c in gen.sorted_choices() if c.finish_reason), None),
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.prompt_tokens_details.cached_tokens,
+                completion_tokens=completion,
+                created_at=ctx.trace.wall_arrival,
+                queue_s=_since(ctx.trace, "first_scheduled"),
+                ttft_s=_since(ctx.trace, "first_token"),
+                e2e_s=now - ctx.arrival,
+            )
+            await self.ledger.record(record)
+            self.metrics.spend.labels(ctx.tenant_name, self.served_model_name).inc(record.cost_usd or 0.0)
+        logger.info("request %s", json.dumps({"event": "request_finished", **ctx.trace.to_dict()}))
+
+    def _absorb_final(self, gen: _Generation, output: EngineOutput) -> None:
+        """Late outputs after the client's view ended: only the counts and timings matter now."""
+        choice = gen.choices[output.request_id]
+        if output.finished:
+            choice.engine_final = output
 
     def _absorb(self, gen: _Generation, output: EngineOutput) -> tuple[_Choice, str, list[TokenLogprobs]]:
         choice = gen.choices[output.request_id]
+        if output.finished:
+            choice.engine_final = output
+        if choice.finished:
+            return choice, "", []  # text already ended (a stop string); the engine is catching up
+        now = time.monotonic()
+        if output.new_token_ids:
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+                gen.ctx.trace.mark("first_token", now)
+                self.metrics.first_token(now - gen.ctx.arrival)
+            elif choice.last_output_at is not None:
+                self.metrics.inter_token(now - choice.last_output_at)
+            choice.last_output_at = now
+            gen.ctx.trace.stamps["last_token"] = now
         choice.token_ids.extend(output.new_token_ids)
         choice.num_cached_tokens = output.num_cached_tokens
         new_logprobs = output.new_logprobs or []
@@ -212,23 +381,21 @@ class OpenAIServing:
             choice.finish_reason = FinishReason.STOP.value
             if not output.finished:
                 self.client.abort([choice.request_id])  # a stop string ended it: free the engine now
-                gen.collector.unfinished.discard(choice.request_id)
         elif output.finished:
             delta += choice.stream.finish()
-            reason = output.finish_reason
-            choice.finish_reason = FinishReason.STOP.value if reason == FinishReason.ABORT else reason.value
+            choice.finish_reason = output.finish_reason.value
         return choice, delta, new_logprobs
 
     # --- chat ----------------------------------------------------------------------------------
 
-    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat(self, request: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         request.check()  # unsupported fields fail before any tokenizing work
         self.ensure_ready()
         self.check_model(request.model)
-        prompt_ids = self.render_chat(request)
+        prompt_ids = self.render_chat(request, ctx.trace)
         self._check_prompt(prompt_ids, "messages")
         params = self._sampling_params(request, len(prompt_ids))
-        gen = self._start("chatcmpl", [prompt_ids], params, request.priority)
+        gen = await self._start(ctx, "chatcmpl", [prompt_ids], params, request.priority)
         if request.stream:
             return _sse(self._chat_stream(gen, request))
         return await _until_disconnect(self._chat_full(gen), raw)
@@ -307,19 +474,21 @@ class OpenAIServing:
 
     # --- completions ---------------------------------------------------------------------------
 
-    async def completion(self, request: CompletionRequest, raw: Request) -> Response:
+    async def completion(self, request: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
         request.check()
         self.ensure_ready()
         self.check_model(request.model)
+        ctx.trace.mark("rendered")  # nothing to render for a text completion
         prompts = [
             self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens) if isinstance(p, str) else list(p)
             for p in request.prompts()
         ]
+        ctx.trace.mark("tokenized")
         for prompt_ids in prompts:
             self._check_prompt(prompt_ids, "prompt")
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
         params = self._sampling_params(request, max(len(p) for p in prompts))
-        gen = self._start("cmpl", prompts, params, request.priority)
+        gen = await self._start(ctx, "cmpl", prompts, params, request.priority)
         if request.stream:
             return _sse(self._completion_stream(gen, request))
         return await _until_disconnect(self._completion_full(gen), raw)
@@ -387,6 +556,16 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _since(trace: RequestTrace, stage: str) -> float | None:
+    at = trace.stamps.get(stage)
+    return None if at is None else at - trace.stamps["arrived"]
+
+
+def _limit_name(error: APIError) -> str:
+    """Which limit refused a request, for the rate-limited counter's label."""
+    return error.code or "rate_limit"
 
 
 def _sse_event(body: dict[str, Any]) -> str:

@@ -115,6 +115,7 @@ class AsyncEngineClient:
         self.stats = EngineStats()
         self._collectors: dict[str, OutputCollector] = {}  # engine request id -> its collector
         self._live: set[OutputCollector] = set()  # collectors whose consumer has not let go yet
+        self._aborting: set[str] = set()  # abort sent, final output not yet back
         self._ready = asyncio.Event()
         self._outbox: queue.Queue[object] = queue.Queue()
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -189,15 +190,19 @@ class AsyncEngineClient:
         return collector
 
     def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (no-op for finished ones); the engine frees them before its next step."""
+        """Abort requests (no-op for finished ones); the engine frees them before its next step and
+        answers with their final output (the tokens actually produced), routed as usual."""
         for request_id in request_ids:
-            if self._collectors.pop(request_id, None) is not None and self.alive:
+            if request_id in self._collectors and request_id not in self._aborting and self.alive:
+                self._aborting.add(request_id)
                 self._outbox.put(AbortRequest(request_id))
 
-    def release(self, collector: OutputCollector, unfinished: list[str]) -> None:
-        """The consumer is done with a collector: abort what still runs and forget its backlog."""
-        self.abort(unfinished)
+    def forget(self, collector: OutputCollector) -> None:
+        """The consumer is done with a collector: stop counting its backlog, drop its routes."""
         self._live.discard(collector)
+        for request_id in collector.request_ids:
+            self._collectors.pop(request_id, None)
+            self._aborting.discard(request_id)
 
     def backlog_tokens(self) -> int:
         """Tokens produced but not yet taken by their consumers, finished requests included."""
@@ -238,6 +243,7 @@ class AsyncEngineClient:
                 collector.put(output)
                 if output.finished:
                     del self._collectors[output.request_id]
+                    self._aborting.discard(output.request_id)
         elif isinstance(message, EngineReady):
             self.info = message
             self._ready.set()
@@ -258,3 +264,4 @@ class AsyncEngineClient:
         for collector in self._live:
             collector.fail(failure)
         self._collectors.clear()
+        self._aborting.clear()

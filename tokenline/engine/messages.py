@@ -33,13 +33,16 @@ class EngineRequest:
 
 @dataclass
 class RequestTimings:
-    """Monotonic timestamps of one request's life inside the engine (seconds)."""
+    """Monotonic timestamps of one request's life inside the engine (seconds; CLOCK_MONOTONIC is
+    shared by all processes of a machine, so they compare with the API process's clock)."""
 
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
+    num_steps: int = 0  # engine steps that computed some of its tokens
+    num_shared_steps: int = 0  # of those, steps whose batch also held other requests
 
 
 @dataclass

@@ -126,10 +126,13 @@ class Scheduler:
         """Advance each scheduled request by what the runner computed and sampled."""
         results = []
         now = time.monotonic()
+        shared = len(batch.seqs) > 1
         for seq in batch.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            request.timings.num_steps += 1
+            request.timings.num_shared_steps += shared
             request.num_computed_tokens += seq.num_tokens
             self.kv_cache.cache_full_blocks(request)
             if not seq.sample:

@@ -1,0 +1,77 @@
+"""Per-request stage traces: where the time of one request went, stage by stage.
+
+Timestamps are ``time.monotonic()`` seconds (the engine process stamps with the same clock); a
+trace reports them relative to arrival, plus the wall-clock arrival time. Recent traces stay in a
+bounded store so ``GET /v1/requests/{id}/trace`` can show them after the response is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = (
+    "arrived",
+    "authenticated",
+    "rendered",
+    "tokenized",
+    "queued",
+    "first_scheduled",
+    "first_token",
+    "last_token",
+    "finished",
+)
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    tenant: str | None = None
+    model: str | None = None
+    wall_arrival: float = field(default_factory=time.time)
+    stamps: dict[str, float] = field(default_factory=dict)
+    num_steps: int = 0  # engine steps that computed tokens of this request (max over its sequences)
+    num_shared_steps: int = 0  # of those, steps shared with other requests
+    status: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def mark(self, stage: str, at: float | None = None) -> None:
+        """Record a stage once (the first time it happens)."""
+        if stage not in self.stamps:
+            self.stamps[stage] = time.monotonic() if at is None else at
+
+    def to_dict(self) -> dict[str, Any]:
+        origin = self.stamps.get("arrived", 0.0)
+        stages = {s: round(self.stamps[s] - origin, 6) for s in STAGES if s in self.stamps}
+        return {
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "model": self.model,
+            "arrived_at": self.wall_arrival,
+            "stages_s": stages,  # seconds since arrival
+            "num_steps": self.num_steps,
+            "num_shared_steps": self.num_shared_steps,
+            "status": self.status,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+
+class TraceStore:
+    """The most recent traces, oldest evicted first."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._traces: OrderedDict[str, RequestTrace] = OrderedDict()
+
+    def add(self, trace: RequestTrace) -> None:
+        self._traces[trace.request_id] = trace
+        self._traces.move_to_end(trace.request_id)
+        while len(self._traces) > self.capacity:
+            self._traces.popitem(last=False)
+
+    def get(self, request_id: str) -> RequestTrace | None:
+        return self._traces.get(request_id)
