@@ -111,52 +111,77 @@ class EdgeMiddleware:
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                extra = [(k.encode(), v.encode()) for k, v in state["extra_headers"].items()]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode()), *extra]
+                own = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                present = {name.lower() for name, _ in own}
+                # A handler's own value wins (a 429's x-ratelimit-* are fresher than the door's peek).
+                extra = [(k.encode(), v.encode()) for k, v in state["extra_headers"].items() if k.encode() not in present]
+                message["headers"] = [*own, *extra]
             await send(message)
+
+        async def refuse(error: APIError, reason: str) -> None:
+            self.metrics.rejected.labels(reason).inc()
+            await error.to_response()(scope, receive, send_with_headers)
 
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
-            self.metrics.rejected.labels("body_too_large").inc()
-            await APIError.payload_too_large(self._too_large()).to_response()(scope, receive, send_with_headers)
+            await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
             return
         state["tenant"] = None
         path = scope.get("path", "")
         if self.keys is not None and (path.startswith("/v1") or path.startswith("/admin")):
             tenant = self.keys.authenticate(_bearer_token(headers.get(b"authorization")))  # constant time
             if tenant is None:
-                self.metrics.rejected.labels("unauthorized").inc()
-                error = APIError.unauthorized("Incorrect or missing API key.")
-                await error.to_response()(scope, receive, send_with_headers)
+                await refuse(APIError.unauthorized("Incorrect or missing API key."), "unauthorized")
                 return
             state["tenant"] = tenant
             if self.limiter is not None:
-                limits = await self.limiter.headers(tenant)  # as OpenAI: on every response of a limited key
+                try:
+                    limits = await self.limiter.headers(tenant)  # as OpenAI: on every response of a limited key
+                except APIError as exc:  # the shared limit store is unreachable: refuse, never run unlimited
+                    await refuse(exc, "rate_limiter_unavailable")
+                    return
                 if limits is not None:
                     state["extra_headers"].update(limits.as_dict())
         state["authenticated"] = time.monotonic()
-        received = 0
+        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # A chunked body declares no length: read it here, up to the limit, before any handler.
+            body = await self._read_bounded(receive)
+            if body is None:
+                await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send_with_headers)
 
-        async def receive_limited() -> Message:
-            nonlocal received
+    async def _read_bounded(self, receive: Receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_request_bytes:  # chunked bodies declare no length
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, receive_limited, send_with_headers)
-        except _BodyTooLarge:
-            await APIError.payload_too_large(self._too_large()).to_response()(scope, receive, send_with_headers)
+            if message["type"] != "http.request":
+                return b"".join(chunks)  # disconnected: the handler will find out
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     def _too_large(self) -> str:
         return f"the request body exceeds the limit of {self.max_request_bytes} bytes"
 
 
-class _BodyTooLarge(Exception):
-    pass
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that hands over an already read body, then the client's own messages."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _bearer_token(header: bytes | None) -> str | None:

@@ -118,8 +118,9 @@ class _Generation:
     reservation: Reservation | None = None
 
     def usage(self) -> UsageInfo:
-        """Prompt tokens count once per prompt (not per choice); completion tokens are those produced."""
-        completion = sum(len(c.token_ids) for c in self.choices.values())
+        """Prompt tokens count once per prompt (not per choice); completion tokens are those the engine
+        produced (after a stop string that can be a token more than the text shows), as billed."""
+        completion = sum(c.num_produced for c in self.choices.values())
         cached: dict[int, int] = {}
         for choice in self.choices.values():
             cached[choice.prompt_index] = max(cached.get(choice.prompt_index, 0), choice.num_cached_tokens)
@@ -348,7 +349,11 @@ class OpenAIServing:
             )
             await self.ledger.record(record)
             self.metrics.spend.labels(ctx.tenant_name, self.served_model_name).inc(record.cost_usd or 0.0)
-        logger.info("request %s", json.dumps({"event": "request_finished", **ctx.trace.to_dict()}))
+        line: dict[str, Any] = {"event": "request_finished", **ctx.trace.to_dict()}
+        if self.log_prompts:  # user text is untrusted and private: logged only when the operator asks
+            line["prompts"] = [self.tokenizer.decode(p, skip_special_tokens=False) for p in gen.prompts]
+            line["completions"] = [c.stream.text for c in gen.sorted_choices()]
+        logger.info("request %s", json.dumps(line, ensure_ascii=False))
 
     def _absorb_final(self, gen: _Generation, output: EngineOutput) -> None:
         """Late outputs after the client's view ended: only the counts and timings matter now."""
