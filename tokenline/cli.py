@@ -69,6 +69,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from tokenline.model.config import ModelConfig
+    from tokenline.model.model_store import resolve_model
+    from tokenline.model.plan import plan_memory
+
+    source = Path(args.model) if args.model else None
+    if source is not None and source.suffix == ".json":
+        config = ModelConfig.from_dict(json.loads(source.read_text()))  # a bare config: no weights needed
+    else:
+        config = ModelConfig.from_dir(resolve_model(args.model))
+    dtype_size = 4 if args.dtype == "float32" else 2
+    print(plan_memory(config, args.memory, args.seq_len, dtype_size).format())
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from tokenline.model.model_store import resolve_model
 
@@ -182,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = commands.add_parser("plan", help="memory plan: weights, KV per token, state per sequence, sequences that fit")
+    p.add_argument("--model", default=None, help="model directory, .gguf file or a config.json (default: SmolLM2)")
+    p.add_argument("--memory", type=float, required=True, help="GiB of memory for weights + KV + states")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.set_defaults(func=cmd_plan)
 
     p = commands.add_parser("import", help="import a model (default: SmolLM2-135M-Instruct) and print its directory")
     p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file")

@@ -221,3 +221,42 @@ def test_duplicate_request_id_is_refused() -> None:
     add(engine, "x", [1])
     with pytest.raises(ValueError):
         add(engine, "x", [1])
+
+
+def make_hybrid_engine(num_state_slots: int, num_blocks: int = 64, block_size: int = 4) -> EngineCore:
+    return EngineCore(
+        FakeRunner(),
+        KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, num_state_slots=num_state_slots),
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256),
+        eos_token_ids=[EOS],
+        check_integrity_every_step=True,
+    )
+
+
+def test_hybrid_state_slots_bound_the_batch_and_are_returned() -> None:
+    engine = make_hybrid_engine(num_state_slots=2)
+    for i in range(5):
+        add(engine, f"r{i}", [i + 1, i + 2, i + 3], max_tokens=4)
+    run(engine)
+    batches = engine.runner.batches
+    assert max(len(b.seqs) for b in batches) == 2  # admission waits for a free slot
+    for batch in batches:
+        slots = [s.state_slot for s in batch.seqs]
+        assert None not in slots and len(set(slots)) == len(slots)
+    kv = engine.kv_cache
+    assert kv.state_slots == {} and sorted(kv._free_slots) == [0, 1]
+    assert not kv.enable_prefix_caching  # a KV prefix alone cannot restore a recurrent state
+    assert_all_blocks_free(engine)
+
+
+def test_hybrid_preemption_and_abort_free_the_slot() -> None:
+    engine = make_hybrid_engine(num_state_slots=3, num_blocks=8, block_size=2)
+    for i in range(3):
+        add(engine, f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], max_tokens=8)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("r2") is not None
+    run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache.state_slots == {}
+    assert_all_blocks_free(engine)

@@ -28,6 +28,7 @@ class ScheduledSeq:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()  # EOS / stop ids while fewer than min_tokens are out
+    state_slot: int | None = None  # hybrid models: the slot holding its linear-attention state
 
     @property
     def num_tokens(self) -> int:

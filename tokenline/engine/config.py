@@ -51,11 +51,13 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
                         model_config.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, config.device)
     runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config)
-    num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * GIB) // runner.kv_bytes_per_block(
-        config.block_size
-    )
-    runner.allocate_kv_cache(num_blocks, config.block_size)
-    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    # Hybrid models hold one fixed-size recurrent state per running sequence: reserve those slots
+    # out of the same memory budget first, the rest goes to KV blocks.
+    num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
+    budget = int(config.kv_cache_memory_gib * GIB) - num_state_slots * runner.state_bytes_per_sequence()
+    num_blocks = config.num_kv_blocks or max(0, budget) // runner.kv_bytes_per_block(config.block_size)
+    runner.allocate_kv_cache(num_blocks, config.block_size, num_state_slots)
+    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots)
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

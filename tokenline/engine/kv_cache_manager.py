@@ -20,10 +20,21 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """Block tables for full-attention KV, and — for hybrid models — one recurrent-state slot per
+    running sequence (linear-attention layers keep a fixed-size state instead of per-token KV)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
+        # A cached KV prefix is useless to a hybrid model: its linear layers' state never saw those
+        # tokens, and states are not snapshotted at block boundaries. So no prefix caching there.
+        enable_prefix_caching = enable_prefix_caching and num_state_slots == 0
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_state_slots = num_state_slots
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))
+        self.state_slots: dict[str, int] = {}
         self.tables: dict[str, list[int]] = {}
         self._num_indexed: dict[str, int] = {}  # leading blocks of a table already in the cache index
         self.prefix_stats = PrefixCacheStats()
@@ -56,8 +67,14 @@ class KVCacheManager:
         return blocks
 
     def can_fit(self, request: Request, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Whether the request could hold ``num_tokens`` tokens of KV, reusing ``cached_blocks``."""
+        """Whether the request could hold ``num_tokens`` tokens of KV, reusing ``cached_blocks``
+        (and, for a hybrid model, whether a state slot is free for it)."""
+        if self.num_state_slots and request.request_id not in self.state_slots and not self._free_slots:
+            return False
         return self._blocks_missing(request, num_tokens, cached_blocks) <= self.pool.num_free_blocks
+
+    def state_slot(self, request_id: str) -> int | None:
+        return self.state_slots.get(request_id)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Grow the request's table to hold its computed tokens plus ``num_new_tokens``.
@@ -70,6 +87,9 @@ class KVCacheManager:
         if not self.can_fit(request, total, cached_blocks):
             return False
         table = self.tables.setdefault(request.request_id, [])
+        if self.num_state_slots and request.request_id not in self.state_slots:
+            # A fresh slot: the model starts its state from zero at the sequence's first chunk.
+            self.state_slots[request.request_id] = self._free_slots.pop()
         if cached_blocks:
             assert not table, "cached prefix blocks can only start an empty table"
             self.pool.touch(cached_blocks)
@@ -102,9 +122,17 @@ class KVCacheManager:
         table = self.tables.pop(request.request_id, [])
         self._num_indexed.pop(request.request_id, None)
         self.pool.free(reversed(table))
+        slot = self.state_slots.pop(request.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.tables.values())
+        held = list(self.state_slots.values())
+        if len(set(held)) != len(held) or sorted(held + self._free_slots) != list(range(self.num_state_slots)):
+            raise AssertionError("state slots: a slot is held twice or lost")
+        if set(self.state_slots) - set(self.tables):
+            raise AssertionError("a request holds a state slot but no blocks")
 
     def _blocks_missing(self, request: Request, num_tokens: int, cached_blocks: Sequence[int]) -> int:
         have = len(self.tables.get(request.request_id, ())) + len(cached_blocks)

@@ -169,6 +169,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids if sample else (),
             generator=request.generator,
             banned_token_ids=banned,
+            state_slot=self.kv_cache.state_slot(request.request_id),
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -22,6 +22,7 @@ class PrefillSpan:
     num_tokens: int
     context_len: int  # tokens the chunk attends to, itself included (cached + new)
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    state_slot: int = -1  # hybrid models: the sequence's recurrent-state slot (-1: none)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_state_slots: torch.Tensor | None = None  # [D] int64: hybrid models' recurrent-state slots
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 

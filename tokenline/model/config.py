@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3_5ForCausalLM", "Qwen3ForCausalLM")
+# Multimodal checkpoints of the same families serve their text decoder.
+_TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
 
 
 @dataclass
@@ -29,19 +31,26 @@ class ModelConfig:
     mlp_bias: bool = False
     torch_dtype: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    layer_types: list[str] = field(default_factory=list)  # "full_attention" / "linear_attention" per layer
+    raw: dict[str, Any] = field(default_factory=dict)  # the whole (text) config, for model-specific fields
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
-        raw = json.loads((model_dir / "config.json").read_text())
-        architectures = raw.get("architectures") or []
+        return cls.from_dict(json.loads((model_dir / "config.json").read_text()), model_dir)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], model_dir: Path | None = None) -> ModelConfig:
+        architectures = [_TEXT_ARCHITECTURES.get(a, a) for a in raw.get("architectures") or []]
+        if "text_config" in raw:  # a multimodal config: the decoder's settings live here
+            raw = {**raw["text_config"], "architectures": architectures}
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
             raise ValueError(
-                f"{model_dir}: architecture {architectures or raw.get('model_type')} is not supported "
+                f"{model_dir or 'config'}: architecture {architectures or raw.get('model_type')} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        generation_path = model_dir / "generation_config.json"
-        generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+        generation_path = model_dir / "generation_config.json" if model_dir is not None else None
+        generation = json.loads(generation_path.read_text()) if generation_path and generation_path.exists() else {}
         heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or None)
         rope_theta = raw.get("rope_theta")
@@ -67,6 +76,8 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             generation_config=generation,
+            layer_types=list(raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]),
+            raw=raw,
         )
 
     @property
@@ -76,6 +87,30 @@ class ModelConfig:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
+    @property
+    def num_full_attention_layers(self) -> int:
+        return sum(1 for t in self.layer_types if t != "linear_attention")
+
+    @property
+    def num_linear_attention_layers(self) -> int:
+        return len(self.layer_types) - self.num_full_attention_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_linear_attention_layers > 0
+
     def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+        """Bytes of K and V one token occupies: only full-attention layers store any."""
+        return 2 * self.num_full_attention_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+    def state_bytes_per_sequence(self, dtype_size: int) -> int:
+        """Fixed-size recurrent state of one sequence across the linear-attention (Gated DeltaNet)
+        layers: the short-convolution window (activation dtype) plus the delta-rule state (float32)."""
+        if not self.is_hybrid:
+            return 0
+        r = self.raw
+        key_dim = r["linear_num_key_heads"] * r["linear_key_head_dim"]
+        value_dim = r["linear_num_value_heads"] * r["linear_value_head_dim"]
+        conv = (2 * key_dim + value_dim) * (r["linear_conv_kernel_dim"] - 1) * dtype_size
+        recurrent = r["linear_num_value_heads"] * r["linear_key_head_dim"] * r["linear_value_head_dim"] * 4
+        return self.num_linear_attention_layers * (conv + recurrent)

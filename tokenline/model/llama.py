@@ -94,6 +94,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def make_caches(
+        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]:
+        """One paged KV tensor per layer. Zeros, not empty: padded decode rows read unused slots,
+        and garbage there could be NaN."""
+        c = self.config
+        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
         params = dict(self.named_parameters())

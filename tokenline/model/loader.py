@@ -34,9 +34,22 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
+def model_class(architecture: str) -> type[torch.nn.Module]:
+    if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
+        return LlamaForCausalLM
+    from tokenline.model import qwen3_5  # the hybrid's code loads only when it is used
+
+    return getattr(qwen3_5, architecture)
+
+
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
-) -> LlamaForCausalLM:
+) -> torch.nn.Module:
+    cls = model_class(config.architecture)
+    if cls is not LlamaForCausalLM:
+        model = cls(config).to(device=device, dtype=dtype)
+        model.load_weights(iter_safetensors(model_dir))
+        return model.eval()
     # Build on the meta device so no time is spent initialising weights we overwrite anyway.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

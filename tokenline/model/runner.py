@@ -42,11 +42,12 @@ class ModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.config.kv_bytes_per_token(self.dtype.itemsize) * block_size
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        c = self.config
-        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        # Zeros, not empty: padded decode rows read unused slots, and garbage there could be NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_hidden_layers)]
+    def state_bytes_per_sequence(self) -> int:
+        return self.config.state_bytes_per_sequence(self.dtype.itemsize)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
+        """The paged KV pool (full-attention layers) and, for hybrid models, the state slots."""
+        self.kv_caches = self.model.make_caches(num_blocks, block_size, num_state_slots, self.dtype, self.device)
         self.block_size = block_size
 
     @torch.inference_mode()
@@ -77,6 +78,7 @@ class ModelRunner:
         sampling_seqs: list[ScheduledSeq] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        decode_slots: list[int] = []
         prefills: list[PrefillSpan] = []
         for seq in seqs:
             start = len(token_ids)
@@ -87,12 +89,14 @@ class ModelRunner:
                 pos_list.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             context_len = seq.start_pos + n
+            slot = -1 if seq.state_slot is None else seq.state_slot
             if n == 1:
                 decode_tables.append(list(table[: -(-context_len // bs)]))
                 decode_lens.append(context_len)
+                decode_slots.append(slot)
             else:
                 block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
-                prefills.append(PrefillSpan(start, n, context_len, block_table))
+                prefills.append(PrefillSpan(start, n, context_len, block_table, slot))
             if seq.sample:
                 logits_rows.append(start + n - 1)
                 sampling_seqs.append(seq)
@@ -109,6 +113,7 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             cols = torch.arange(width * bs, device=device)
             meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_state_slots = torch.tensor(decode_slots, dtype=torch.long, device=device)
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(pos_list, dtype=torch.long, device=device),

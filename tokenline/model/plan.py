@@ -1,0 +1,64 @@
+"""Memory planning: the arithmetic an operator needs before buying a machine.
+
+Weights from the model definition itself (built on the meta device, so even a 27B config costs no
+memory), KV bytes per token (full-attention layers only), fixed state bytes per sequence
+(linear-attention layers), and how many sequences of a given length fit in a budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenline.model.config import ModelConfig
+
+GIB = 1 << 30
+
+
+@dataclass
+class MemoryPlan:
+    num_parameters: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    state_bytes_per_sequence: int
+    seq_len: int
+    bytes_per_sequence: int  # KV for seq_len tokens + the fixed state
+    cache_budget_bytes: int  # memory left for KV and states after the weights
+    max_sequences: int
+
+    def format(self) -> str:
+        rows = [
+            ("parameters", f"{self.num_parameters:,}"),
+            ("weights", _size(self.weight_bytes)),
+            ("KV per token", f"{self.kv_bytes_per_token:,} B (full-attention layers only)"),
+            ("state per sequence", f"{self.state_bytes_per_sequence:,} B (linear-attention layers)"),
+            (f"one sequence of {self.seq_len} tokens", _size(self.bytes_per_sequence)),
+            ("left for KV + states", _size(self.cache_budget_bytes)),
+            (f"sequences of {self.seq_len} tokens that fit", f"{self.max_sequences:,}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """Parameters of our implementation of the model (tied embeddings counted once)."""
+    from tokenline.model.loader import model_class
+
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    return sum(p.numel() for p in model.parameters())  # parameters() already skips tied duplicates
+
+
+def plan_memory(config: ModelConfig, memory_gib: float, seq_len: int, dtype_size: int = 2) -> MemoryPlan:
+    params = count_parameters(config)
+    weight_bytes = params * dtype_size
+    kv_per_token = config.kv_bytes_per_token(dtype_size)
+    state = config.state_bytes_per_sequence(dtype_size)
+    per_sequence = kv_per_token * seq_len + state
+    budget = max(0, int(memory_gib * GIB) - weight_bytes)
+    return MemoryPlan(params, weight_bytes, kv_per_token, state, seq_len, per_sequence, budget, budget // per_sequence)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:,.2f} GiB ({num_bytes:,} B)"
