@@ -58,6 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage_db=args.usage_db,
         prices_file=args.prices,
         log_prompts=args.log_prompts,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         request_timeout=args.request_timeout or None,
         shutdown_timeout=args.shutdown_timeout,
         max_request_bytes=args.max_request_bytes,
@@ -83,6 +85,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config = ModelConfig.from_dir(resolve_model(args.model))
     dtype_size = 4 if args.dtype == "float32" else 2
     print(plan_memory(config, args.memory, args.seq_len, dtype_size).format())
+    return 0
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    from tokenline.model.test_models import make_qwen3_5_tiny
+
+    makers = {"qwen3.5-tiny": make_qwen3_5_tiny}
+    makers[args.kind](Path(args.out), seed=args.seed)
+    print(args.out)
     return 0
 
 
@@ -191,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--usage-db", default=None, help="SQLite usage ledger (default: $TOKENLINE_HOME/usage.sqlite3)")
     p.add_argument("--prices", default=None, help="TOML price table, USD per million tokens per model")
     p.add_argument("--log-prompts", action="store_true", help="include user text in logs (off by default)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="split <think>...</think> into the message's reasoning_content")
+    p.add_argument("--tool-call-parser", default=None, choices=["qwen3", "hermes"],
+                   help="turn <tool_call>{...}</tool_call> into OpenAI tool_calls (enables `tools`)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get a 413")
     p.add_argument("--max-messages", type=int, default=1024, help="most messages in one chat request")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
@@ -206,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.set_defaults(func=cmd_plan)
+
+    p = commands.add_parser("make-test-model", help="write a tiny random-weight model in HF format (tests, demos)")
+    p.add_argument("kind", choices=["qwen3.5-tiny"])
+    p.add_argument("out")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_test_model)
 
     p = commands.add_parser("import", help="import a model (default: SmolLM2-135M-Instruct) and print its directory")
     p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file")

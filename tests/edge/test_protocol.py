@@ -46,10 +46,12 @@ def _app() -> FastAPI:
 
     @app.post("/chat")
     def chat(req: ChatCompletionRequest) -> dict[str, Any]:
+        req.check()  # as the server does: refuse unsupported fields, then map
         return dataclasses.asdict(req.to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN))
 
     @app.post("/completions")
     def completions(req: CompletionRequest) -> dict[str, Any]:
+        req.check()
         return dataclasses.asdict(req.to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN))
 
     @app.post("/tokenize")

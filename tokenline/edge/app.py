@@ -61,6 +61,8 @@ class ServerSettings:
     usage_db: str | None = None  # the usage ledger (SQLite); default under TOKENLINE_HOME
     prices_file: str | None = None  # USD per million input / output tokens, per model (TOML)
     log_prompts: bool = False  # user text is never logged unless asked
+    reasoning_parser: str | None = None  # "qwen3": <think>…</think> goes to reasoning_content
+    tool_call_parser: str | None = None  # "qwen3" / "hermes": <tool_call>{…}</tool_call> → tool_calls
     request_timeout: float | None = 600.0  # seconds a request may take end to end
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_bytes: int = 4 * 1024 * 1024  # request bodies above this get a 413 unread
@@ -215,6 +217,8 @@ def build_app(settings: ServerSettings) -> FastAPI:
         limiter=limiter,
         ledger=ledger,
         log_prompts=settings.log_prompts,
+        reasoning_parser=settings.reasoning_parser,
+        tool_call_parser=settings.tool_call_parser,
     )
 
     @asynccontextmanager

@@ -283,10 +283,11 @@ class _GenerationRequest(_Request):
         options = self.stream_options
         return self.stream_include_usage and options is not None and options.continuous_usage_stats
 
-    def check(self) -> None:
-        """Refuse what the models accept but tokenline cannot honour; raises `APIError` (400)."""
+    def check(self, allow: frozenset[str] = frozenset()) -> None:
+        """Refuse what the models accept but tokenline cannot honour; raises `APIError` (400).
+        ``allow`` names fields the server does support for this model (tools with a tool parser)."""
         for entry in self._unsupported:
-            if not entry.harmless(getattr(self, entry.field)):
+            if entry.field not in allow and not entry.harmless(getattr(self, entry.field)):
                 raise APIError.bad_request(
                     f"{entry.field} is not supported by this server yet ({entry.feature}); remove it from the request",
                     param=entry.field,
@@ -319,7 +320,7 @@ class _GenerationRequest(_Request):
         prompt_len: int,
         prompt_param: str,
     ) -> SamplingParams:
-        self.check()
+        # The caller runs check() first (with what this server supports); it is not repeated here.
         room = max_model_len - prompt_len
         if room < 1:
             raise APIError.bad_request(
@@ -401,8 +402,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = UNSUPPORTED_CHAT_FIELDS
 
-    def check(self) -> None:
-        super().check()
+    def check(self, tools_enabled: bool = False) -> None:
+        """``tools_enabled``: the server parses tool calls for this model (``--tool-call-parser``)."""
+        if tools_enabled:
+            self._check_tools()
+        super().check(allow=frozenset({"tools", "tool_choice"}) if tools_enabled else frozenset())
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -415,6 +419,28 @@ class ChatCompletionRequest(_GenerationRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as dicts for the chat template: nulls dropped, text parts joined."""
         return _template_messages(self.messages)
+
+    def _check_tools(self) -> None:
+        """Validate `tools` and `tool_choice`, then stop refusing them."""
+        names = []
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise APIError.bad_request(
+                    'each tool must be {"type": "function", "function": {"name": ..., "parameters": ...}}',
+                    param=f"tools[{i}]",
+                )
+            names.append(function["name"])
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in names:
+                raise APIError.bad_request(f"tool_choice names no tool of this request: {name!r}", param="tool_choice")
+        elif choice not in (None, "none", "auto", "required"):
+            raise APIError.bad_request("tool_choice must be none, auto, required or a named function", param="tool_choice")
+        if choice is not None and choice != "none" and not names:
+            raise APIError.bad_request("tool_choice needs tools", param="tool_choice")
+
 
     def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
         """Map onto the engine's SamplingParams; raises `APIError` (400) naming the offending field.
@@ -591,24 +617,60 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobToken] | None = None
 
 
-class AssistantMessage(_Response):
-    """A choice's `message` in a chat completion."""
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"reasoning_content"})
+
+class ToolCallItem(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"name", "arguments"})
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed tool call: the first carries id and name, later ones argument text."""
+
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class AssistantMessage(_Response):
+    """A choice's `message` in a chat completion. `reasoning_content` is what DeepSeek-style
+    clients read, `reasoning` what newer vLLM clients read; both carry the same text."""
+
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"reasoning_content", "reasoning", "tool_calls"})
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class DeltaMessage(_Response):
     """A chunk's `delta`: only what is new (an empty dict on the final chunk)."""
 
-    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "reasoning_content"})
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset(
+        {"role", "content", "reasoning_content", "reasoning", "tool_calls"}
+    )
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(_Response):

@@ -40,13 +40,18 @@ from tokenline.edge.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     TokenizeRequest,
+    ToolCallItem,
     UsageInfo,
     random_id,
 )
 from tokenline.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, OutputCollector
 from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason, TokenLogprobs
+from tokenline.frontend.chat_output import ChatOutputParser, forced_tool_call_prefix
 from tokenline.frontend.chat_template import ChatTemplateError
 from tokenline.frontend.text_stream import TextStream
 from tokenline.frontend.tokenizer import Tokenizer
@@ -89,6 +94,7 @@ class _Choice:
     text_offset: int = 0  # characters already streamed (completions' logprobs.text_offset)
     # The engine's final word (it may come after the client's view ended, e.g. after a stop string).
     engine_final: EngineOutput | None = None
+    chat_output: ChatOutputParser | None = None  # reasoning / tool-call split of a chat choice
     first_token_at: float | None = None
     last_output_at: float | None = None
 
@@ -142,6 +148,8 @@ class OpenAIServing:
         limiter: RateLimiter | None = None,
         ledger: UsageLedger | None = None,
         log_prompts: bool = False,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
@@ -152,6 +160,8 @@ class OpenAIServing:
         self.limiter = limiter
         self.ledger = ledger
         self.log_prompts = log_prompts
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
         self._background: set[asyncio.Task[None]] = set()
 
     async def drain(self, timeout: float = 15.0) -> None:
@@ -180,10 +190,16 @@ class OpenAIServing:
         if self.client.info is None:
             raise APIError.unavailable("the model is still loading; retry shortly")
 
-    def render_chat(self, request: ChatCompletionRequest | TokenizeRequest, trace: RequestTrace | None = None) -> list[int]:
+    def render_chat(
+        self, request: ChatCompletionRequest | TokenizeRequest, trace: RequestTrace | None = None, suffix: str = ""
+    ) -> list[int]:
+        tools = getattr(request, "tools", None)
+        if getattr(request, "tool_choice", None) == "none":
+            tools = None  # the model is not to call tools: do not offer them
         try:
             text = self.tokenizer.apply_chat_template(
                 request.template_messages(),
+                tools=tools or None,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
@@ -195,7 +211,7 @@ class OpenAIServing:
         if trace is not None:
             trace.mark("rendered")
         # The template already wrote any BOS it wants.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text + suffix, add_special_tokens=False)
         if trace is not None:
             trace.mark("tokenized")
         return ids
@@ -394,13 +410,30 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
-        request.check()  # unsupported fields fail before any tokenizing work
+        request.check(tools_enabled=self.tool_call_parser is not None)  # before any tokenizing work
         self.ensure_ready()
         self.check_model(request.model)
-        prompt_ids = self.render_chat(request, ctx.trace)
+        use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
+        # Without a grammar engine, "required" and a named function are enforced by starting the
+        # answer inside a tool call: the model can only go on with a name or with the arguments.
+        forced = forced_tool_call_prefix(request.tool_choice) if use_tools else ""
+        prompt_ids = self.render_chat(request, ctx.trace, suffix=forced)
         self._check_prompt(prompt_ids, "messages")
         params = self._sampling_params(request, len(prompt_ids))
         gen = await self._start(ctx, "chatcmpl", [prompt_ids], params, request.priority)
+        if self.reasoning_parser is not None or use_tools:
+            # The answer starts inside reasoning when the prompt's last turn opened <think> without
+            # closing it (a template that opens it, or continue_final_message inside a thought).
+            tail = self.tokenizer.decode(prompt_ids[-256:], skip_special_tokens=False)
+            tail = tail[tail.rfind("<|im_start|>") + 1 :]
+            starts_in_reasoning = tail.rfind("<think>") > tail.rfind("</think>")
+            for choice in gen.choices.values():
+                choice.chat_output = ChatOutputParser(
+                    reasoning=self.reasoning_parser is not None,
+                    starts_in_reasoning=starts_in_reasoning,
+                    tools=use_tools,
+                    prefix=forced,
+                )
         if request.stream:
             return _sse(self._chat_stream(gen, request))
         return await _until_disconnect(self._chat_full(gen), raw)
@@ -409,20 +442,33 @@ class OpenAIServing:
         async for _ in self._updates(gen):
             pass
         want_logprobs = gen.params.logprobs is not None
-        response = ChatCompletionResponse(
-            id=gen.response_id,
-            created=gen.created,
-            model=self.served_model_name,
-            choices=[
+        choices = []
+        for c in gen.sorted_choices():
+            message, finish_reason = AssistantMessage(content=c.stream.text), c.finish_reason
+            if c.chat_output is not None:
+                parsed = c.chat_output.parse_all(c.stream.text)
+                message = AssistantMessage(
+                    content=parsed.content if parsed.content or not parsed.tool_calls else None,
+                    reasoning_content=parsed.reasoning,
+                    reasoning=parsed.reasoning,
+                    tool_calls=[
+                        ToolCallItem(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments_json))
+                        for t in parsed.tool_calls
+                    ]
+                    or None,
+                )
+                if parsed.tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=AssistantMessage(content=c.stream.text),
+                    message=message,
                     logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want_logprobs else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                 )
-                for c in gen.sorted_choices()
-            ],
-            usage=gen.usage(),
+            )
+        response = ChatCompletionResponse(
+            id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices, usage=gen.usage()
         )
         return JSONResponse(response.model_dump())
 
@@ -445,11 +491,11 @@ class OpenAIServing:
                         yield chunk([role], gen.usage() if continuous else None)
                     if not (delta or choice.finished or (want_logprobs and logprobs)):
                         continue
-                    entry = ChatCompletionChunkChoice(
-                        index=choice.index,
-                        delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                        finish_reason=choice.finish_reason,
-                    )
+                    message = DeltaMessage(content=delta) if delta else DeltaMessage()
+                    finish_reason = choice.finish_reason
+                    if choice.chat_output is not None:
+                        message, finish_reason = _shaped_delta(choice, delta)
+                    entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
                     if want_logprobs:
                         ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
                         entry.logprobs = self._chat_logprobs(ids, logprobs)
@@ -561,6 +607,34 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _shaped_delta(choice: _Choice, delta: str) -> tuple[DeltaMessage, str | None]:
+    """Split a chat choice's text delta into reasoning, content and tool-call pieces."""
+    shaper = choice.chat_output
+    assert shaper is not None
+    piece = shaper.feed(delta)
+    if choice.finished:
+        piece = piece.merged(shaper.finish())
+    calls = [
+        DeltaToolCall(
+            index=t.index,
+            id=t.id,
+            type="function" if t.id else None,
+            function=DeltaFunctionCall(name=t.name, arguments=t.arguments),
+        )
+        for t in piece.tool_calls
+    ]
+    message = DeltaMessage(
+        content=piece.content or None,
+        reasoning_content=piece.reasoning or None,
+        reasoning=piece.reasoning or None,
+        tool_calls=calls or None,
+    )
+    finish_reason = choice.finish_reason
+    if finish_reason == "stop" and shaper.made_tool_calls:
+        finish_reason = "tool_calls"
+    return message, finish_reason
 
 
 def _since(trace: RequestTrace, stage: str) -> float | None:

