@@ -45,6 +45,7 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
 
 logger = logging.getLogger("tokenline.edge")
+access_logger = logging.getLogger("tokenline.access")
 
 _REQUEST_ID_OK = re.compile(r"[^A-Za-z0-9._:\-]")
 
@@ -110,9 +111,18 @@ class EdgeMiddleware:
         request_id = sanitize_request_id(raw.decode("latin-1") if raw else None)
         state["request_id"] = request_id
         state["extra_headers"] = {}
+        path = scope.get("path", "")
+
+        def log_access() -> None:
+            # Our access log (uvicorn's is off): every line names the request id.
+            access_logger.info(
+                "%s %s %s request_id=%s %.1fms", scope.get("method"), path, state.get("status", "-"), request_id,
+                (time.monotonic() - state["arrived"]) * 1000,
+            )
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
+                state["status"] = message["status"]
                 own = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
                 present = {name.lower() for name, _ in own}
                 # A handler's own value wins (a 429's x-ratelimit-* are fresher than the door's peek).
@@ -123,13 +133,13 @@ class EdgeMiddleware:
         async def refuse(error: APIError, reason: str) -> None:
             self.metrics.rejected.labels(reason).inc()
             await error.to_response()(scope, receive, send_with_headers)
+            log_access()
 
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
             await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
             return
         state["tenant"] = None
-        path = scope.get("path", "")
         if self.keys is not None and (path.startswith("/v1") or path.startswith("/admin")):
             tenant = self.keys.authenticate(_bearer_token(headers.get(b"authorization")))  # constant time
             if tenant is None:
@@ -152,7 +162,10 @@ class EdgeMiddleware:
                 await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
                 return
             receive = _replay(body, receive)
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            log_access()
 
     async def _read_bounded(self, receive: Receive) -> bytes | None:
         chunks, size = [], 0
@@ -412,5 +425,6 @@ def serve(settings: ServerSettings) -> None:
         port=settings.port,
         timeout_graceful_shutdown=int(settings.shutdown_timeout),
         log_level="info",
+        access_log=False,  # EdgeMiddleware logs each request with its id instead
     )
     Server(config).run()
