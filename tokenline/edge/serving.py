@@ -477,10 +477,7 @@ class OpenAIServing:
         want_logprobs = gen.params.logprobs is not None
 
         def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None) -> str:
-            body = ChatCompletionChunk(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
-            if include_usage:
-                body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
-            return f"data: {body.model_dump_json()}\n\n"
+            return self._chunk_event(ChatCompletionChunk, gen, choices, usage, include_usage)
 
         try:
             async for updates in self._updates(gen):
@@ -570,10 +567,7 @@ class OpenAIServing:
         want_logprobs = gen.params.logprobs is not None
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-            body = CompletionChunk(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
-            if include_usage:
-                body.usage = usage
-            return f"data: {body.model_dump_json()}\n\n"
+            return self._chunk_event(CompletionChunk, gen, choices, usage, include_usage)
 
         try:
             async for updates in self._updates(gen):
@@ -604,6 +598,19 @@ class OpenAIServing:
         return result
 
     # --- small helpers -------------------------------------------------------------------------
+
+    def _chunk_event(
+        self,
+        chunk_type: type[ChatCompletionChunk] | type[CompletionChunk],
+        gen: _Generation,
+        choices: list[Any],
+        usage: UsageInfo | None,
+        include_usage: bool,
+    ) -> str:
+        body = chunk_type(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
+        if include_usage:
+            body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
+        return f"data: {body.model_dump_json()}\n\n"
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -22,6 +22,8 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
+from tokenline.frontend.tokenizer import byte_to_unicode
+
 __all__ = [
     "QWEN_CHAT_TEMPLATE",
     "QWEN_PRETOKENIZE_REGEX",
@@ -173,21 +175,9 @@ def tiktoken_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(left, right) for _, _, _, left, right in merges]
 
 
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shift)
-            shift += 1
-    return mapping
-
-
 def build_backend(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
     """The Rust tokenizer for `ranks` plus the Qwen3.5 pre-tokenizer and special tokens."""
-    table = _byte_to_unicode()
+    table = byte_to_unicode()
 
     def text(token: bytes) -> str:
         return "".join(table[b] for b in token)

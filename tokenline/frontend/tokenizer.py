@@ -65,7 +65,7 @@ def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]) -> dict[str
     return {}
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters, used by byte-level BPE vocabularies."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
@@ -77,7 +77,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
 

