@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench clean redis-server
+.PHONY: install model serve test bench bench-peers clean redis-server
 
 install: $(STAMP) model
 
@@ -37,3 +37,11 @@ bench: install
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# Compare tokenline with vLLM CPU and llama.cpp (each in its own venv under $TOKENLINE_PEERS_DIR,
+# default /tmp/tokenline-peers; never tokenline dependencies). ARGS e.g. --systems tokenline,llamacpp --quick
+# A peer that fails to install is reported as not run in the table (and compare.py exits 1).
+bench-peers: install
+	-bench/peers/install_llamacpp.sh
+	-bench/peers/install_vllm.sh
+	$(PY) bench/peers/compare.py $(ARGS)
