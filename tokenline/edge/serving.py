@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -472,36 +472,27 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
-    async def _chat_stream(self, gen: _Generation, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
+    def _chat_stream(self, gen: _Generation, request: ChatCompletionRequest) -> AsyncIterator[str]:
         want_logprobs = gen.params.logprobs is not None
 
-        def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None) -> str:
-            return self._chunk_event(ChatCompletionChunk, gen, choices, usage, include_usage)
+        def entries(choice: _Choice, delta: str, logprobs: list[TokenLogprobs]) -> list[ChatCompletionChunkChoice]:
+            out = []
+            if not choice.sent_role:
+                choice.sent_role = True
+                out.append(ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content="")))
+            if not (delta or choice.finished or (want_logprobs and logprobs)):
+                return out
+            message = DeltaMessage(content=delta) if delta else DeltaMessage()
+            finish_reason = choice.finish_reason
+            if choice.chat_output is not None:
+                message, finish_reason = _shaped_delta(choice, delta)
+            entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
+            if want_logprobs:
+                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+                entry.logprobs = self._chat_logprobs(ids, logprobs)
+            return [*out, entry]
 
-        try:
-            async for updates in self._updates(gen):
-                for choice, delta, logprobs in updates:
-                    if not choice.sent_role:
-                        choice.sent_role = True
-                        role = ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))
-                        yield chunk([role], gen.usage() if continuous else None)
-                    if not (delta or choice.finished or (want_logprobs and logprobs)):
-                        continue
-                    message = DeltaMessage(content=delta) if delta else DeltaMessage()
-                    finish_reason = choice.finish_reason
-                    if choice.chat_output is not None:
-                        message, finish_reason = _shaped_delta(choice, delta)
-                    entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
-                    if want_logprobs:
-                        ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                        entry.logprobs = self._chat_logprobs(ids, logprobs)
-                    yield chunk([entry], gen.usage() if continuous else None)
-            if include_usage:
-                yield chunk([], gen.usage())
-        except APIError as exc:
-            yield _sse_event(exc.to_dict())
-        yield "data: [DONE]\n\n"
+        return self._stream(gen, request, ChatCompletionChunk, entries)
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         content = []
@@ -562,29 +553,20 @@ class OpenAIServing:
         )
         return JSONResponse(response.model_dump())
 
-    async def _completion_stream(self, gen: _Generation, request: CompletionRequest) -> AsyncIterator[str]:
-        include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
+    def _completion_stream(self, gen: _Generation, request: CompletionRequest) -> AsyncIterator[str]:
         want_logprobs = gen.params.logprobs is not None
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-            return self._chunk_event(CompletionChunk, gen, choices, usage, include_usage)
+        def entries(choice: _Choice, delta: str, logprobs: list[TokenLogprobs]) -> list[CompletionChoice]:
+            if not (delta or choice.finished or (want_logprobs and logprobs)):
+                return []
+            entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
+            if want_logprobs:
+                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+                entry.logprobs = self._completion_logprobs(ids, logprobs, choice.text_offset)
+            choice.text_offset += len(delta)
+            return [entry]
 
-        try:
-            async for updates in self._updates(gen):
-                for choice, delta, logprobs in updates:
-                    if not (delta or choice.finished or (want_logprobs and logprobs)):
-                        continue
-                    entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
-                    if want_logprobs:
-                        ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                        entry.logprobs = self._completion_logprobs(ids, logprobs, choice.text_offset)
-                    choice.text_offset += len(delta)
-                    yield chunk([entry], gen.usage() if continuous else None)
-            if include_usage:
-                yield chunk([], gen.usage())
-        except APIError as exc:
-            yield _sse_event(exc.to_dict())
-        yield "data: [DONE]\n\n"
+        return self._stream(gen, request, CompletionChunk, entries)
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -599,18 +581,33 @@ class OpenAIServing:
 
     # --- small helpers -------------------------------------------------------------------------
 
-    def _chunk_event(
+    async def _stream(
         self,
-        chunk_type: type[ChatCompletionChunk] | type[CompletionChunk],
         gen: _Generation,
-        choices: list[Any],
-        usage: UsageInfo | None,
-        include_usage: bool,
-    ) -> str:
-        body = chunk_type(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
-        if include_usage:
-            body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
-        return f"data: {body.model_dump_json()}\n\n"
+        request: ChatCompletionRequest | CompletionRequest,
+        chunk_type: type[ChatCompletionChunk] | type[CompletionChunk],
+        entries: Callable[[_Choice, str, list[TokenLogprobs]], list[Any]],
+    ) -> AsyncIterator[str]:
+        """The SSE frame both APIs share: one chunk per choice entry, the usage chunk, [DONE];
+        an error after the headers went out becomes an error event."""
+        include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
+
+        def event(choices: list[Any], usage: UsageInfo | None) -> str:
+            body = chunk_type(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
+            if include_usage:
+                body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
+            return f"data: {body.model_dump_json()}\n\n"
+
+        try:
+            async for updates in self._updates(gen):
+                for choice, delta, logprobs in updates:
+                    for entry in entries(choice, delta, logprobs):
+                        yield event([entry], gen.usage() if continuous else None)
+            if include_usage:
+                yield event([], gen.usage())
+        except APIError as exc:
+            yield _sse_event(exc.to_dict())
+        yield "data: [DONE]\n\n"
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
