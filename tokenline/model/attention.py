@@ -8,10 +8,13 @@ travels in ``AttentionMetadata``, built by the runner: model code never sees req
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tokenline.model import cpu_kernels
 
 
 @dataclass
@@ -32,6 +35,8 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_context_lens: torch.Tensor | None = None  # [D] int64: tokens each decode query attends to
+    max_decode_context_len: int = 0
     decode_state_slots: torch.Tensor | None = None  # [D] int64: hybrid models' recurrent-state slots
     prefills: list[PrefillSpan] = field(default_factory=list)
 
@@ -51,7 +56,14 @@ def paged_attention(
 
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
-    if num_decode:
+    kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+    if num_decode and kernels is not None and meta.decode_context_lens is not None:
+        # Reads each sequence's blocks in place: no padded copy of the history per layer.
+        out[:num_decode] = kernels.decode_attention(
+            q[:num_decode].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+            meta.max_decode_context_len, 1.0 / math.sqrt(head_dim),
+        )
+    elif num_decode:
         keys = _gather_tables(k_cache, meta.decode_block_tables)
         values = _gather_tables(v_cache, meta.decode_block_tables)
         query = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]

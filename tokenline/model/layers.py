@@ -13,6 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenline.model import cpu_kernels
+
+# Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
+SMALL_BATCH_ROWS = 2
+# The batch size oneDNN lays packed weights out for; any batch size still works with them.
+PACKED_BATCH_HINT = 32
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -84,14 +91,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that, once :meth:`prepare_for_inference` ran, takes the fastest CPU path.
+
+    bfloat16 on CPU: a handful of rows (a decode step) goes through our weight-streaming kernel,
+    anything larger through oneDNN with the weight packed once at load time (plain ``F.linear``
+    re-lays it out on every call). Other dtypes and devices use ``F.linear`` unchanged, so
+    float32 stays bit-identical to the reference.
+    """
+
+    _kernels: cpu_kernels.CpuKernels | None = None
+    _packed: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return
+        self._kernels = cpu_kernels.load() if self.bias is None else None
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_BATCH_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+            return self._kernels.linear_bf16(x.contiguous(), self.weight)
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def prepare_for_inference(model: nn.Module) -> None:
+    """Give every ``Linear`` its fast path; call after the weights are loaded (and never train)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.prepare_for_inference()
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

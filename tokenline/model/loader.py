@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from tokenline.model.config import ModelConfig
-from tokenline.model.layers import RotaryEmbedding
+from tokenline.model.layers import RotaryEmbedding, prepare_for_inference
 from tokenline.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +57,7 @@ def load_model(
         # The hybrid computes its partial rotary per step and owns every parameter itself.
         model = cls(config).to(device=device, dtype=dtype)
         model.load_weights(iter_safetensors(model_dir))
+        prepare_for_inference(model)
         return model.eval()
     # Build on the meta device so no time is spent initialising weights we overwrite anyway.
     with torch.device("meta"):
@@ -67,4 +68,5 @@ def load_model(
     model.rotary = RotaryEmbedding(config.head_dim, max_model_len, config.rope_theta, config.rope_scaling).to(device)
     model.to(dtype)
     model.load_weights(iter_safetensors(model_dir))
+    prepare_for_inference(model)
     return model.eval()

@@ -35,7 +35,7 @@ from torch import nn
 
 from tokenline.model.attention import AttentionMetadata, PrefillSpan, paged_attention
 from tokenline.model.config import ModelConfig
-from tokenline.model.layers import GatedMLP, apply_rotary, rope_inv_freq
+from tokenline.model.layers import GatedMLP, Linear, apply_rotary, rope_inv_freq
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -140,8 +140,8 @@ class Qwen3_5Attention(nn.Module):
         # With the output gate, q_proj yields [query | gate] per head, twice the query width.
         self.q_width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_width + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv_proj = Linear(hidden, self.q_width + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
         self.rotary = rotary
@@ -187,12 +187,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         # The four input projections (qkv, z, b, a) fused into one matmul.
         self.split_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
-        self.in_proj = nn.Linear(hidden, sum(self.split_sizes), bias=False)
+        self.in_proj = Linear(hidden, sum(self.split_sizes), bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, 1, self.kernel))  # depthwise, no bias
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, text.get("rms_norm_eps", 1e-6))
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, state: LinearState, meta: AttentionMetadata
@@ -488,7 +488,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(text, t, self.rotary) for t in self.layer_types)
         self.norm = ZeroCenteredRMSNorm(hidden, text.get("rms_norm_eps", 1e-6))
-        self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
+        self.lm_head = Linear(hidden, self.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

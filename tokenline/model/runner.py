@@ -113,6 +113,8 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             cols = torch.arange(width * bs, device=device)
             meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_context_lens = lens
+            meta.max_decode_context_len = max(decode_lens)
             meta.decode_state_slots = torch.tensor(decode_slots, dtype=torch.long, device=device)
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),

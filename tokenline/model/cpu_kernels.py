@@ -1,0 +1,140 @@
+"""Our own CPU kernels (csrc/cpu_kernels.c) for the decode hot path, loaded through ctypes.
+
+The C file is compiled once per machine with the system C compiler (``-march=native``) into
+``$TOKENLINE_HOME/kernels/`` and reused; it links the libgomp torch already loaded, so its threads
+are torch's. Without a compiler, or with ``TOKENLINE_CPU_KERNELS=0``, ``load()`` returns None and
+the model keeps its pure-torch path: the kernels are a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tokenline.model.model_store import tokenline_home
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: a library built on one CPU must not load on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernels unless this exact source was already built for this CPU; return the .so."""
+    compiler = compiler or os.environ.get("CC", "cc")
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join((compiler, *CFLAGS, torch.__version__, _cpu_signature())).encode()
+    ).hexdigest()[:16]
+    out_dir = tokenline_home() / "kernels"
+    target = out_dir / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Link torch's own libgomp (same soname, already loaded), not a second OpenMP runtime.
+    torch_lib = Path(torch.__file__).parent / "lib"
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", str(partial), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    log.info("built CPU kernels: %s", target)
+    return target
+
+
+class CpuKernels:
+    """Typed wrappers over the compiled library; inputs are checked, outputs freshly allocated."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        lib.tl_has_avx512bf16.restype = ctypes.c_int
+        lib.tl_linear_bf16.argtypes = [_P, _P, _P, _I, _I, _I]
+        lib.tl_linear_bf16.restype = None
+        lib.tl_decode_attention.argtypes = [ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
+                                            ctypes.c_float]
+        lib.tl_decode_attention.restype = None
+        self._lib = lib
+        self.path = path
+        self.has_avx512bf16 = bool(lib.tl_has_avx512bf16())
+
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for a few rows; x [M, K] and weight [N, K] contiguous bfloat16."""
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2:
+            raise ValueError("linear_bf16 takes 2-D bfloat16 activations and weights")
+        if not (x.is_contiguous() and weight.is_contiguous()) or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"linear_bf16: shapes {tuple(x.shape)} x {tuple(weight.shape)} or layout do not fit")
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty((m, n), dtype=torch.bfloat16)
+        self._lib.tl_linear_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_context_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per sequence attending to its paged cache. q [D, H, Dh];
+        caches [blocks, block_size, KVH, Dh]; block_tables [D, width] and context_lens [D] int64."""
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        code = _DTYPE_CODES.get(q.dtype)
+        if code is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"decode_attention supports float32 and bfloat16, got {q.dtype}/{k_cache.dtype}")
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode_attention needs heads-contiguous queries and contiguous caches")
+        if num_heads % num_kv_heads or block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+            raise ValueError("decode_attention: head counts or index dtypes do not fit")
+        tables = block_tables.contiguous()
+        lens = context_lens.contiguous()
+        out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
+        self._lib.tl_decode_attention(
+            code, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+            block_size, max(1, max_context_len), scale,
+        )
+        return out
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels for this process, or None when disabled or they cannot be built here."""
+    if os.environ.get("TOKENLINE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return CpuKernels(build())
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        log.warning("CPU kernels unavailable, using the torch path: %s", detail)
+        return None

@@ -1,0 +1,335 @@
+/* CPU kernels for the decode hot path, called from Python through ctypes.
+ *
+ * Built on first use by tokenline/model/cpu_kernels.py with `-O3 -march=native -fopenmp`, linked
+ * against the libgomp that torch already loaded, so these loops share torch's OpenMP threads
+ * instead of fighting them for the cores.
+ *
+ * - tl_linear_bf16: y = x @ w^T for few rows of x (decode). oneDNN re-lays the weight out on
+ *   every call at small M and reaches about half the memory bandwidth; this streams each weight
+ *   row once and reuses it for all rows of x.
+ * - tl_decode_attention: one query token per sequence against its paged KV cache, reading the
+ *   blocks in place (no gather of the history into a padded copy, no mask).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch does when it casts float32 to bfloat16. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int tl_has_avx512bf16(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * y[M, N] = x[M, K] @ w[N, K]^T, bfloat16 in and out, float32 accumulation.
+ * Threads split the output columns (rows of w), so each streams its own slice of the weight.
+ */
+#define TL_ROW_TILE 4 /* rows of x per pass */
+#define TL_COL_TILE 4 /* rows of w per pass: 4 x 4 accumulators stay in registers */
+
+#if defined(__AVX512BF16__)
+/* One tile: MT rows of x (a compile-time constant after inlining, so the accumulators live in
+ * registers) against TL_COL_TILE rows of w starting at n. */
+static inline __attribute__((always_inline)) void linear_tile_avx512(const uint16_t *x, const uint16_t *w,
+                                                                     uint16_t *y, const int MT, int64_t n,
+                                                                     int64_t N, int64_t K) {
+    __m512 acc[TL_ROW_TILE][TL_COL_TILE];
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < TL_COL_TILE; c++) acc[r][c] = _mm512_setzero_ps();
+    const int64_t k_main = K & ~(int64_t)31;
+    for (int64_t k = 0; k < k_main; k += 32) {
+        __m512bh wv[TL_COL_TILE];
+        for (int c = 0; c < TL_COL_TILE; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + (n + c) * K + k));
+        for (int r = 0; r < MT; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
+            for (int c = 0; c < TL_COL_TILE; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    if (k_main < K) {
+        const __mmask32 tail = (__mmask32)((1u << (K - k_main)) - 1u);
+        __m512bh wv[TL_COL_TILE];
+        for (int c = 0; c < TL_COL_TILE; c++) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + (n + c) * K + k_main);
+        for (int r = 0; r < MT; r++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + r * K + k_main);
+            for (int c = 0; c < TL_COL_TILE; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        for (int c = 0; c < TL_COL_TILE; c++) y[r * N + n + c] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][c]));
+}
+#endif
+
+static void linear_cols_generic(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n0,
+                                int64_t n1, int64_t N, int64_t K) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wr = w + n * K;
+        for (int64_t r = 0; r < m; r++) {
+            const uint16_t *xr = x + r * K;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(xr[k]) * bf16_to_f32(wr[k]);
+            y[r * N + n] = f32_to_bf16(acc);
+        }
+    }
+}
+
+/* Columns [n0, n1) of y for rows [0, m) of x. */
+static void linear_cols(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n0, int64_t n1,
+                        int64_t N, int64_t K) {
+#if defined(__AVX512BF16__)
+    int64_t n = n0;
+    for (; n + TL_COL_TILE <= n1; n += TL_COL_TILE) {
+        /* A weight tile is read from memory once, then from L1 for the following row tiles. */
+        int64_t r = 0;
+        for (; r + TL_ROW_TILE <= m; r += TL_ROW_TILE) linear_tile_avx512(x + r * K, w, y + r * N, 4, n, N, K);
+        switch (m - r) {
+        case 3: linear_tile_avx512(x + r * K, w, y + r * N, 3, n, N, K); break;
+        case 2: linear_tile_avx512(x + r * K, w, y + r * N, 2, n, N, K); break;
+        case 1: linear_tile_avx512(x + r * K, w, y + r * N, 1, n, N, K); break;
+        default: break;
+        }
+    }
+    linear_cols_generic(x, w, y, m, n, n1, N, K);
+#else
+    linear_cols_generic(x, w, y, m, n0, n1, N, K);
+#endif
+}
+
+void tl_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    /* Threads split the output columns, so each streams its own slice of the weight. */
+    const int64_t chunk = 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) linear_cols(x, w, y, M, n0, n0 + chunk < N ? n0 + chunk : N, N, K);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Decode attention over a paged KV cache.
+ *
+ * q:      [D, H, Dh] (token stride q_stride elements, heads contiguous)
+ * caches: [num_blocks, block_size, KVH, Dh] each, contiguous
+ * tables: [D, width] int64 block ids; lens: [D] int64 tokens each query attends to
+ * out:    [D, H, Dh] contiguous
+ * Query head h reads KV head h / (H / KVH), as grouped-query attention does.
+ */
+
+/* exp for x <= 0 (softmax after subtracting the max), vectorisable: 2^(x log2 e) split into an
+ * integer power and a degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float t = x * 1.44269504088896341f;
+    const float fi = floorf(t + 0.5f);
+    const float f = (t - fi) * 0.69314718055994531f;
+    float p = 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)fi << 23;
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+static inline void load_row(const void *base, int64_t index, int64_t n, int dtype, float *dst) {
+    if (dtype == TL_BFLOAT16) {
+        const uint16_t *src = (const uint16_t *)base + index;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + index, (size_t)n * sizeof(float));
+    }
+}
+
+#if defined(__AVX512F__)
+#define TL_MAX_GROUP 8   /* query heads per KV head on the vector path */
+#define TL_MAX_DH16 16   /* head_dim / 16 on the vector path (head_dim <= 256) */
+
+static inline __m512 load16(const void *base, int64_t index, int dtype) {
+    if (dtype == TL_BFLOAT16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + index);
+}
+
+/* One (sequence, KV head) pair: its `group` query heads against `len` cached tokens. */
+static void decode_attention_item_avx512(int dtype, const void *q, int64_t q_index, const void *k_cache,
+                                         const void *v_cache, const int64_t *table, int64_t len, void *out,
+                                         int64_t out_index, int64_t group, int64_t Dh, int64_t block_size,
+                                         int64_t token_stride, int64_t kv_offset, float scale, float *scores,
+                                         int64_t max_len) {
+    const int64_t nv = Dh / 16;
+    __m512 qv[TL_MAX_GROUP * TL_MAX_DH16];
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t c = 0; c < nv; c++)
+            qv[j * nv + c] = _mm512_mul_ps(load16(q, q_index + j * Dh + c * 16, dtype), _mm512_set1_ps(scale));
+    /* Scores, block by block: a block's tokens sit token_stride apart. */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t base = table[start / block_size] * block_size;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t off = 0; off < n; off++) {
+            const int64_t row = (base + off) * token_stride + kv_offset;
+            __m512 kv[TL_MAX_DH16];
+            for (int64_t c = 0; c < nv; c++) kv[c] = load16(k_cache, row + c * 16, dtype);
+            for (int64_t j = 0; j < group; j++) {
+                __m512 acc = _mm512_mul_ps(qv[j * nv], kv[0]);
+                for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[j * nv + c], kv[c], acc);
+                scores[j * max_len + start + off] = _mm512_reduce_add_ps(acc);
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = scores + j * max_len;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sj[t] = exp_nonpositive(sj[t] - mx);
+            sum += sj[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+    }
+    __m512 acc[TL_MAX_GROUP * TL_MAX_DH16];
+    for (int64_t i = 0; i < group * nv; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t base = table[start / block_size] * block_size;
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t off = 0; off < n; off++) {
+            const int64_t row = (base + off) * token_stride + kv_offset;
+            __m512 vv[TL_MAX_DH16];
+            for (int64_t c = 0; c < nv; c++) vv[c] = load16(v_cache, row + c * 16, dtype);
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 p = _mm512_set1_ps(scores[j * max_len + start + off]);
+                for (int64_t c = 0; c < nv; c++) acc[j * nv + c] = _mm512_fmadd_ps(p, vv[c], acc[j * nv + c]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        for (int64_t c = 0; c < nv; c++) {
+            const int64_t o = out_index + j * Dh + c * 16;
+            if (dtype == TL_BFLOAT16) {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, acc[j * nv + c]);
+                uint16_t *dst = (uint16_t *)out + o;
+                for (int i = 0; i < 16; i++) dst[i] = f32_to_bf16(tmp[i]);
+            } else {
+                _mm512_storeu_ps((float *)out + o, acc[j * nv + c]);
+            }
+        }
+    }
+}
+#endif
+
+void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *tables, int64_t width, const int64_t *lens, void *out, int64_t D, int64_t H,
+                         int64_t KVH, int64_t Dh, int64_t block_size, int64_t max_len, float scale) {
+    const int64_t group = H / KVH;
+    const int64_t token_stride = KVH * Dh; /* elements between consecutive tokens of a block */
+#if defined(__AVX512F__)
+    const int vector_path = Dh % 16 == 0 && Dh / 16 <= TL_MAX_DH16 && group <= TL_MAX_GROUP;
+#endif
+#pragma omp parallel
+    {
+        /* Per-thread scratch: scores [group, max_len], query and accumulator rows, one K/V row. */
+        float *scores = (float *)malloc((size_t)(group * max_len) * sizeof(float));
+        float *qf = (float *)malloc((size_t)(group * Dh) * sizeof(float));
+        float *acc = (float *)malloc((size_t)(group * Dh) * sizeof(float));
+        float *row = (float *)malloc((size_t)Dh * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < D * KVH; item++) {
+            const int64_t d = item / KVH, g = item % KVH;
+            const int64_t len = lens[d];
+            const int64_t *table = tables + d * width;
+#if defined(__AVX512F__)
+            if (vector_path) {
+                decode_attention_item_avx512(dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache, table, len,
+                                             out, (d * H + g * group) * Dh, group, Dh, block_size, token_stride,
+                                             g * Dh, scale, scores, max_len);
+                continue;
+            }
+#endif
+            for (int64_t j = 0; j < group; j++) {
+                load_row(q, d * q_stride + (g * group + j) * Dh, Dh, dtype, qf + j * Dh);
+                for (int64_t i = 0; i < Dh; i++) qf[j * Dh + i] *= scale;
+            }
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                load_row(k_cache, slot * token_stride + g * Dh, Dh, dtype, row);
+                for (int64_t j = 0; j < group; j++) {
+                    const float *qj = qf + j * Dh;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t i = 0; i < Dh; i++) s += qj[i] * row[i];
+                    scores[j * max_len + t] = s;
+                }
+            }
+            for (int64_t j = 0; j < group; j++) {
+                float *sj = scores + j * max_len;
+                float mx = -INFINITY, sum = 0.0f;
+                for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < len; t++) {
+                    sj[t] = exp_nonpositive(sj[t] - mx);
+                    sum += sj[t];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+            }
+            memset(acc, 0, (size_t)(group * Dh) * sizeof(float));
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                load_row(v_cache, slot * token_stride + g * Dh, Dh, dtype, row);
+                for (int64_t j = 0; j < group; j++) {
+                    const float p = scores[j * max_len + t];
+                    float *aj = acc + j * Dh;
+#pragma omp simd
+                    for (int64_t i = 0; i < Dh; i++) aj[i] += p * row[i];
+                }
+            }
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t o = (d * H + g * group + j) * Dh;
+                if (dtype == TL_BFLOAT16) {
+                    uint16_t *dst = (uint16_t *)out + o;
+                    for (int64_t i = 0; i < Dh; i++) dst[i] = f32_to_bf16(acc[j * Dh + i]);
+                } else {
+                    memcpy((float *)out + o, acc + j * Dh, (size_t)Dh * sizeof(float));
+                }
+            }
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(row);
+    }
+}
