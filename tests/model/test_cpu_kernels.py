@@ -144,3 +144,37 @@ def test_engine_tokens_same_with_and_without_kernels(default_model_dir, monkeypa
         # acceptable late in a sequence, never at its start.
         for a, b in zip(fast, plain):
             assert a[:8] == b[:8]
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rms_norm_bf16_is_bit_identical_to_the_reference(tokens: int, monkeypatch) -> None:
+    from tokenline.model.layers import RMSNorm
+
+    generator = torch.Generator().manual_seed(tokens)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(576, generator=generator).to(torch.bfloat16)
+    x = (torch.randn(tokens, 576, generator=generator) * 3).to(torch.bfloat16)
+    ours = norm(x)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert torch.equal(ours, norm(x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 3, 33])
+def test_rotary_bf16_is_bit_identical_to_the_reference(tokens: int) -> None:
+    from tokenline.model.layers import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, head_dim = 9, 3, 64
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(torch.bfloat16)
+    positions = torch.randint(0, 4000, (tokens,), generator=generator)
+    cos_sin = RotaryEmbedding(head_dim, 4096, 100000.0).lookup(positions, torch.bfloat16)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k = apply_rotary(q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim), cos_sin)
+    rotated = qkv.clone()
+    kernels.rotary_bf16_(rotated, heads + kv_heads, head_dim, *cos_sin)
+    got_q, got_k, got_v = rotated.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(got_q.reshape(tokens, heads, head_dim), want_q)
+    assert torch.equal(got_k.reshape(tokens, kv_heads, head_dim), want_k)
+    assert torch.equal(got_v, qkv[:, (heads + kv_heads) * head_dim :])  # values untouched

@@ -59,8 +59,11 @@ def paged_attention(
     kernels = cpu_kernels.load() if q.device.type == "cpu" else None
     if num_decode and kernels is not None and meta.decode_context_lens is not None:
         # Reads each sequence's blocks in place: no padded copy of the history per layer.
+        query = q[:num_decode]
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
         out[:num_decode] = kernels.decode_attention(
-            q[:num_decode].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
             meta.max_decode_context_len, 1.0 / math.sqrt(head_dim),
         )
     elif num_decode:

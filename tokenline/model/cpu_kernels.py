@@ -79,6 +79,10 @@ class CpuKernels:
         lib.tl_decode_attention.argtypes = [ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
                                             ctypes.c_float]
         lib.tl_decode_attention.restype = None
+        lib.tl_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
+        lib.tl_rms_norm_bf16.restype = None
+        lib.tl_rotary_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I]
+        lib.tl_rotary_bf16.restype = None
         self._lib = lib
         self.path = path
         self.has_avx512bf16 = bool(lib.tl_has_avx512bf16())
@@ -94,6 +98,30 @@ class CpuKernels:
         y = torch.empty((m, n), dtype=torch.bfloat16)
         self._lib.tl_linear_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
         return y
+
+    def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of contiguous bfloat16 rows, rounding as the reference."""
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[-1] != weight.shape[0]:
+            raise ValueError("rms_norm_bf16 takes bfloat16 rows and a matching bfloat16 weight")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        hidden = x.shape[-1]
+        self._lib.tl_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+        return out
+
+    def rotary_bf16_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+        """Rotate the first ``num_heads`` heads (queries, then keys) of each qkv row in place.
+        qkv [T, width] bfloat16 with unit stride along the row; cos, sin [T, head_dim] bfloat16."""
+        tokens = qkv.shape[0]
+        if qkv.dtype != torch.bfloat16 or qkv.stride(1) != 1 or num_heads * head_dim > qkv.shape[1]:
+            raise ValueError("rotary_bf16_ takes bfloat16 rows holding the rotated heads first")
+        if head_dim > 1024 or head_dim % 2:
+            raise ValueError(f"rotary_bf16_: head_dim {head_dim} is not supported")
+        cos = cos.reshape(tokens, head_dim).contiguous()
+        sin = sin.reshape(tokens, head_dim).contiguous()
+        self._lib.tl_rotary_bf16(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, num_heads,
+                                 head_dim)
 
     def decode_attention(
         self,

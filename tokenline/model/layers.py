@@ -29,6 +29,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.bfloat16 and x.device.type == "cpu" and self.weight.dtype == dtype:
+            kernels = cpu_kernels.load()
+            if kernels is not None:
+                return kernels.rms_norm_bf16(x, self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata, paged_attention
 from tokenline.model.config import ModelConfig
 from tokenline.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
@@ -35,11 +36,17 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        kernels = cpu_kernels.load() if qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu" else None
+        if kernels is not None:
+            # Rotate q and k in place inside the fused projection: one pass, no temporaries.
+            kernels.rotary_bf16_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *cos_sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
+        if kernels is None:
+            q, k = apply_rotary(q, k, cos_sin)
         out = paged_attention(q, k, v, kv_cache, meta)
         return self.o_proj(out.flatten(1))
 

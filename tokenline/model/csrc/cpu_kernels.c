@@ -333,3 +333,59 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
         free(row);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * RMSNorm of bfloat16 rows as the reference computes it: normalise in float32, round to
+ * bfloat16, then multiply by the bfloat16 weight and round again. One pass per row instead of
+ * seven tensor operations.
+ */
+void tl_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t T, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *row = x + t * H;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < H; i++) {
+            const float v = bf16_to_f32(row[i]);
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+        uint16_t *dst = out + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[i]) * scale));
+            dst[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Rotary embedding (rotate-half layout) in place on the query and key heads of a fused qkv row
+ * [T, row_stride]: queries are heads [0, H), keys heads [H, H + KVH), each `Dh` wide. Rounds
+ * to bfloat16 after each product and after the sum, as the reference's three tensor ops do.
+ */
+void tl_rotary_bf16(uint16_t *qkv, int64_t row_stride, const uint16_t *cos, const uint16_t *sin, int64_t T,
+                    int64_t heads, int64_t Dh) {
+    const int64_t half = Dh / 2;
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos + t * Dh, *s = sin + t * Dh;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x = qkv + t * row_stride + h * Dh;
+            float lo[512], hi[512];
+            for (int64_t i = 0; i < half; i++) {
+                lo[i] = bf16_to_f32(x[i]);
+                hi[i] = bf16_to_f32(x[i + half]);
+            }
+            for (int64_t i = 0; i < half; i++) {
+                /* out[:half] = x_lo * cos - x_hi * sin;  out[half:] = x_hi * cos + x_lo * sin */
+                const float a = bf16_to_f32(f32_to_bf16(lo[i] * bf16_to_f32(c[i])));
+                const float b = bf16_to_f32(f32_to_bf16(-hi[i] * bf16_to_f32(s[i])));
+                x[i] = f32_to_bf16(a + b);
+                const float d = bf16_to_f32(f32_to_bf16(hi[i] * bf16_to_f32(c[i + half])));
+                const float e = bf16_to_f32(f32_to_bf16(lo[i] * bf16_to_f32(s[i + half])));
+                x[i + half] = f32_to_bf16(d + e);
+            }
+        }
+    }
+}
