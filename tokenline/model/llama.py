@@ -104,11 +104,14 @@ class LlamaForCausalLM(nn.Module):
     def make_caches(
         self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor]:
-        """One paged KV tensor per layer. Zeros, not empty: padded decode rows read unused slots,
-        and garbage there could be NaN."""
+        """One paged KV tensor per layer. The torch decode path reads padded rows of unused slots,
+        where garbage could be NaN, so it needs zeros; the C kernel reads only written slots, so
+        its pool stays untouched (not resident) until sequences fill it."""
         c = self.config
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        reads_only_written = torch.device(device).type == "cpu" and cpu_kernels.load() is not None
+        alloc = torch.empty if reads_only_written else torch.zeros
+        return [alloc(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""

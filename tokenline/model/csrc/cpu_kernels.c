@@ -180,6 +180,44 @@ static inline __m512 load16(const void *base, int64_t index, int dtype) {
     return _mm512_loadu_ps((const float *)base + index);
 }
 
+/* exp(x) for x <= 0, 16 lanes: the same range reduction and polynomial as exp_nonpositive. */
+static inline __m512 exp512_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, fi), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, fi);
+}
+
+/* In-place softmax of n scores. */
+static inline void softmax_avx512(float *s, int64_t n) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, s + t));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+    }
+}
+
 /* One (sequence, KV head) pair: its `group` query heads against `len` cached tokens. */
 static void decode_attention_item_avx512(int dtype, const void *q, int64_t q_index, const void *k_cache,
                                          const void *v_cache, const int64_t *table, int64_t len, void *out,
@@ -206,19 +244,7 @@ static void decode_attention_item_avx512(int dtype, const void *q, int64_t q_ind
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *sj = scores + j * max_len;
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sj[t] = exp_nonpositive(sj[t] - mx);
-            sum += sj[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
-    }
+    for (int64_t j = 0; j < group; j++) softmax_avx512(scores + j * max_len, len);
     __m512 acc[TL_MAX_GROUP * TL_MAX_DH16];
     for (int64_t i = 0; i < group * nv; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t start = 0; start < len; start += block_size) {
