@@ -26,6 +26,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="turn off prefix caching (on by default)")
+    parser.add_argument("--speculative", default=None, choices=["ngram"],
+                        help="speculative decoding for greedy requests; ngram: drafts looked up in the context")
+    parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                        help="most draft tokens per request and step")
+    parser.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
+                        help="longest n-gram the ngram proposer matches")
+    parser.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
+                        help="shortest n-gram the ngram proposer matches")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -38,6 +46,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min,
     )
 
 
@@ -119,21 +131,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from tokenline.bench.throughput import format_table, run_hf, run_tokenline, synthetic_prompts
+    from tokenline.bench.throughput import format_table, repeat_prompts, run_hf, run_tokenline, synthetic_prompts
     from tokenline.frontend.tokenizer import Tokenizer
     from tokenline.model.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
-    prompts = synthetic_prompts(
-        args.num_prompts, args.input_len, tokenizer.vocab_size, set(tokenizer.all_special_ids), args.seed
-    )
+    if args.workload == "repeat":
+        prompts = repeat_prompts(args.num_prompts, args.input_len, tokenizer, args.seed)
+    else:
+        prompts = synthetic_prompts(
+            args.num_prompts, args.input_len, tokenizer.vocab_size, set(tokenizer.all_special_ids), args.seed
+        )
     base = engine_config_from_args(args)
+    speculative = [None, base.speculative or "ngram"] if args.compare_speculative else [base.speculative]
     results = []
     for dtype in args.dtypes or [base.dtype]:
-        config = EngineConfig(**{**asdict(base), "dtype": dtype})
-        results.append(run_tokenline(model_dir, prompts, args.output_len, config))
-        print(format_table(results[-1:]), file=sys.stderr)
+        for spec in speculative:
+            config = EngineConfig(**{**asdict(base), "dtype": dtype, "speculative": spec})
+            results.append(run_tokenline(model_dir, prompts, args.output_len, config))
+            print(format_table(results[-1:]), file=sys.stderr)
     if args.hf:
         for dtype in args.dtypes or ["bfloat16"]:
             hf_dtype = "bfloat16" if dtype == "auto" else dtype
@@ -161,6 +178,26 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2))
     return 0 if report.failed == 0 else 1
+
+
+def cmd_bench_roofline(args: argparse.Namespace) -> int:
+    from tokenline.bench.roofline import RooflineConfig, parse_size, run_roofline, write_json
+
+    try:
+        bandwidth_bytes = parse_size(args.bandwidth_bytes)
+    except ValueError as e:
+        print(f"tokenline bench roofline: --bandwidth-bytes: {e}", file=sys.stderr)
+        return 2
+    config = RooflineConfig(
+        model=args.model, dtype=args.dtype, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len,
+        steps=args.steps, warmup_steps=args.warmup_steps, bandwidth_bytes=bandwidth_bytes,
+        repeats=args.repeats, matmul_size=args.matmul_size, seed=args.seed,
+    )
+    report = run_roofline(config, log=lambda line: print(line, file=sys.stderr))
+    print(report.format_table())
+    if args.output_json:
+        write_json(report, Path(args.output_json))
+    return 0
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
@@ -251,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtypes", nargs="+", default=None, choices=["auto", "float32", "bfloat16"],
                    help="run tokenline once per dtype (default: --dtype)")
+    p.add_argument("--workload", default="random", choices=["random", "repeat"],
+                   help="random token ids, or chats asking to repeat a passage (~input-len tokens) that the "
+                        "answer copies, where --speculative ngram helps")
+    p.add_argument("--compare-speculative", action="store_true",
+                   help="run each dtype without and with speculation (--speculative, default ngram) side by side")
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--output-json", default=None)
@@ -273,6 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_serve)
+
+    p = bench.add_parser("roofline", help="decode step time against this machine's memory-bandwidth and FLOP limits")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=256, help="random prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--bandwidth-bytes", default="2GiB",
+                   help="bandwidth buffer, far larger than the last-level cache (e.g. 2GiB, 64MiB)")
+    p.add_argument("--repeats", type=int, default=5, help="runs per bandwidth method and matmul (median)")
+    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n x n matmul peak")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_bench_roofline)
 
     p = commands.add_parser("usage", help="usage and cost per tenant and model, from the usage ledger")
     p.add_argument("--db", default=None, help="ledger database (default: $TOKENLINE_HOME/usage.sqlite3)")

@@ -169,8 +169,13 @@ class LLM:
     @staticmethod
     def _absorb(seq: _Sequence, engine_output: EngineOutput) -> None:
         output = seq.output
-        output.token_ids.extend(engine_output.new_token_ids)
-        seq.stream.push(engine_output.new_token_ids)
+        # One token at a time: a speculative step brings several, and the ids must end where a
+        # stop string ends the text, as they do when tokens come one per step.
+        for token_id in engine_output.new_token_ids:
+            if seq.stream.stopped:
+                break
+            output.token_ids.append(token_id)
+            seq.stream.push([token_id])
         if engine_output.new_logprobs:
             seq.token_logprobs.extend(engine_output.new_logprobs)
         seq.num_cached_tokens = engine_output.num_cached_tokens

@@ -1,5 +1,10 @@
 """Offline throughput: N synthetic prompts (fixed input and output lengths, seeded) through the engine,
-and optionally the same workload through HF transformers ``generate`` in batches, side by side."""
+and optionally the same workload through HF transformers ``generate`` in batches, side by side.
+
+Two workloads: ``random`` token ids (nothing to copy: speculation cannot help) and ``repeat``, a
+chat asking the model to repeat a real English passage, whose greedy answer copies the prompt (the
+case n-gram speculation is for).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,32 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tokenline.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tokenline.frontend.tokenizer import Tokenizer
+
+# The passage of the `repeat` workload: each prompt shuffles these sentences with its own seed.
+PASSAGE_SENTENCES = [
+    "The old lighthouse stood at the northern end of the island, where the cliffs fell straight into the sea.",
+    "Every evening at dusk the keeper climbed the spiral stairs, trimmed the wick and polished the great lens.",
+    "He wrote the weather in a leather logbook: the wind, the height of the waves and the ships that passed.",
+    "In winter the storms came in from the west and the whole tower hummed like a bell.",
+    "The village below had a bakery, a post office, a small school and a harbour full of fishing boats.",
+    "On market days the square filled with carts of apples, cheese, wool and smoked fish.",
+    "The children learned to read from a teacher who had once sailed around the world twice.",
+    "She kept a globe on her desk and a jar of sand from every beach she had ever walked on.",
+    "When the new electric lamp arrived by ship, the whole village gathered on the quay to watch.",
+    "The keeper was proud of the lamp, but he kept the old oil lantern cleaned and ready all the same.",
+    "Years later, when the power failed during a great storm, the lantern guided three boats safely home.",
+    "The fishermen never forgot that night, and they still raise a glass to the keeper every spring.",
+    "Today the lighthouse is a museum, and visitors can climb the stairs and read the old logbooks.",
+    "The last page of the final logbook says only: calm sea, clear sky, all ships accounted for.",
+]
 
 
 @dataclass
@@ -22,6 +50,9 @@ class ThroughputResult:
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
+    speculative: str = "off"
+    draft_tokens: int = 0  # speculative decoding: drafted tokens, and how many the model accepted
+    accepted_tokens: int = 0
 
     @property
     def requests_per_s(self) -> float:
@@ -35,12 +66,38 @@ class ThroughputResult:
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
 
 def synthetic_prompts(num_prompts: int, input_len: int, vocab_size: int, special_ids: set[int], seed: int) -> list[list[int]]:
     """Random token ids (no special tokens), the same for a given seed."""
     rng = random.Random(seed)
     ordinary = [i for i in range(vocab_size) if i not in special_ids]
     return [[rng.choice(ordinary) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def repeat_prompts(num_prompts: int, input_len: int, tokenizer: Tokenizer, seed: int) -> list[list[int]]:
+    """Chat prompts asking to repeat a passage of about ``input_len`` tokens (the sentences of
+    :data:`PASSAGE_SENTENCES`, shuffled per prompt), so the greedy answer copies the prompt."""
+    prompts = []
+    for i in range(num_prompts):
+        rng = random.Random(seed * 1_000_003 + i)
+        sentences: list[str] = []
+        num_tokens = 0
+        while num_tokens < input_len:
+            batch = PASSAGE_SENTENCES[:]
+            rng.shuffle(batch)
+            for sentence in batch:
+                if num_tokens >= input_len:
+                    break
+                sentences.append(sentence)
+                num_tokens += len(tokenizer.encode(" " + sentence, add_special_tokens=False))
+        passage = " ".join(sentences)
+        chat = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{passage}"}]
+        prompts.append(tokenizer.encode(tokenizer.apply_chat_template(chat), add_special_tokens=False))
+    return prompts
 
 
 def run_tokenline(model_dir: Path, prompts: list[list[int]], output_len: int, config: EngineConfig) -> ThroughputResult:
@@ -51,9 +108,11 @@ def run_tokenline(model_dir: Path, prompts: list[list[int]], output_len: int, co
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.engine.kv_cache.pool.reset_prefix_cache()  # the warm-up prompt must not flatter the run
+    before = llm.engine.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    after = llm.engine.stats()
     result = ThroughputResult(
         "tokenline",
         str(llm.engine.runner.dtype).removeprefix("torch."),
@@ -61,6 +120,9 @@ def run_tokenline(model_dir: Path, prompts: list[list[int]], output_len: int, co
         sum(len(p) for p in prompts),
         sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed,
+        speculative=config.speculative or "off",
+        draft_tokens=after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+        accepted_tokens=after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
     )
     del llm
     gc.collect()
@@ -98,14 +160,19 @@ def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: st
 
 def format_table(results: list[ThroughputResult]) -> str:
     hf = {r.dtype: r for r in results if r.backend == "hf-transformers"}
+    no_spec = {r.dtype: r for r in results if r.backend == "tokenline" and r.speculative == "off"}
     lines = [
-        f"{'backend':<16} {'dtype':<9} {'req/s':>7} {'prompt tok/s':>13} {'output tok/s':>13} {'time s':>8} {'vs HF':>7}",
+        f"{'backend':<16} {'dtype':<9} {'spec':<6} {'req/s':>7} {'prompt tok/s':>13} {'output tok/s':>13} "
+        f"{'time s':>8} {'accept':>7} {'vs off':>7} {'vs HF':>7}",
     ]
     for r in results:
         ref = hf.get(r.dtype)
         ratio = f"{r.output_tokens_per_s / ref.output_tokens_per_s:.2f}x" if ref and r is not ref else ""
+        off = no_spec.get(r.dtype) if r.speculative != "off" else None
+        speedup = f"{r.output_tokens_per_s / off.output_tokens_per_s:.2f}x" if off else ""
+        accept = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else ""
         lines.append(
-            f"{r.backend:<16} {r.dtype:<9} {r.requests_per_s:>7.2f} {r.prompt_tokens_per_s:>13.1f} "
-            f"{r.output_tokens_per_s:>13.1f} {r.elapsed_s:>8.1f} {ratio:>7}"
+            f"{r.backend:<16} {r.dtype:<9} {r.speculative:<6} {r.requests_per_s:>7.2f} {r.prompt_tokens_per_s:>13.1f} "
+            f"{r.output_tokens_per_s:>13.1f} {r.elapsed_s:>8.1f} {accept:>7} {speedup:>7} {ratio:>7}"
         )
     return "\n".join(lines)

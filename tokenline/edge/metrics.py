@@ -1,10 +1,11 @@
 """``/metrics`` in Prometheus text format, with the series names vLLM dashboards already scrape.
 
 Engine gauges (running, waiting, KV usage) and engine counters (preemptions, prefix-cache queries
-and hits) are read from the engine's latest stats at scrape time. Per-request histograms are
-observed in the API process once per engine request: TTFT when its first token arrives, the rest
-when it finishes — so TTFT's count is the number of requests that produced a first token and
-e2e latency's count equals the sum of ``vllm:request_success_total``.
+and hits, speculative draft tokens proposed and accepted) are read from the engine's latest stats
+at scrape time. Per-request histograms are observed in the API process once per engine request:
+TTFT when its first token arrives, the rest when it finishes — so TTFT's count is the number of
+requests that produced a first token and e2e latency's count equals the sum of
+``vllm:request_success_total``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class _EngineCollector(Collector):
         yield counter("vllm:num_preemptions", "Preemptions so far.", stats.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter("vllm:spec_decode_num_drafts", "Speculative steps (one request verifying its drafts).",
+                      stats.spec_decode_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_decode_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      stats.spec_decode_num_accepted_tokens)
         yield GaugeMetricFamily("tokenline_kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_kv_blocks)
         yield GaugeMetricFamily("tokenline_kv_cache_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks)
         yield GaugeMetricFamily(

@@ -29,6 +29,9 @@ class ScheduledSeq:
     generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()  # EOS / stop ids while fewer than min_tokens are out
     state_slot: int | None = None  # hybrid models: the slot holding its linear-attention state
+    # Speculative decoding: guessed tokens after the last known one, already at the end of
+    # token_ids. The runner then returns the greedy token at each of the 1 + k positions.
+    draft_token_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -49,11 +52,15 @@ class ScheduledBatch:
 
 @dataclass
 class SampledToken:
-    token_id: int
+    token_id: int  # sampled after the last known token
     logprobs: TokenLogprobs | None = None
+    # For a sequence with drafts: the greedy token after each draft (the model's own choice at
+    # those positions), so [token_id, *draft_targets] is what it picks at each of the 1 + k.
+    draft_targets: list[int] = field(default_factory=list)
 
 
 class Runner(Protocol):
-    """Anything that turns a scheduled batch into one sampled token per sampling sequence."""
+    """Anything that turns a scheduled batch into one sampled token per sampling sequence (plus,
+    for a sequence with draft tokens, the greedy token after each draft)."""
 
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]: ...

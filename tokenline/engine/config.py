@@ -25,6 +25,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     check_integrity_every_step: bool = False
+    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (greedy requests)
+    num_speculative_tokens: int = 4  # most draft tokens per request and step
+    prompt_lookup_max: int = 4  # longest n-gram the proposer matches
+    prompt_lookup_min: int = 2  # shortest
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -33,6 +37,15 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
 
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:
@@ -40,6 +53,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     # Imported here so that the API process, which only needs EngineConfig, never loads torch.
     from tokenline.engine.engine_core import EngineCore
     from tokenline.engine.kv_cache_manager import KVCacheManager
+    from tokenline.engine.ngram_proposer import NgramProposer
     from tokenline.engine.scheduler import SchedulerConfig
     from tokenline.model.config import ModelConfig
     from tokenline.model.loader import resolve_dtype
@@ -63,6 +77,9 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
+    proposer = None
+    if config.speculative == "ngram":
+        proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     return EngineCore(
         runner,
         kv_cache,
@@ -70,4 +87,5 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         eos_token_ids=model_config.eos_token_ids,
         device=config.device,
         check_integrity_every_step=config.check_integrity_every_step,
+        proposer=proposer,  # the scheduler drops it for hybrid models
     )

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from tokenline.engine.batch import Runner, SampledToken
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats, FinishReason
+from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -32,10 +33,11 @@ class EngineCore:
         eos_token_ids: Iterable[int] = (),
         device: str = "cpu",
         check_integrity_every_step: bool = False,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.runner = runner
         self.kv_cache = kv_cache
-        self.scheduler = Scheduler(scheduler_config, kv_cache)
+        self.scheduler = Scheduler(scheduler_config, kv_cache, proposer)
         self.max_model_len = scheduler_config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
@@ -90,10 +92,11 @@ class EngineCore:
         self.num_steps += 1
         if self.check_integrity_every_step:
             self.scheduler.check_integrity()
-        return [self._output(r.request, [r.token.token_id], r.token) for r in results if r.token is not None]
+        return [self._output(r.request, r.new_token_ids, r.token) for r in results if r.token is not None]
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -104,6 +107,9 @@ class EngineCore:
             num_steps=self.num_steps,
             num_kv_blocks=self.kv_cache.pool.num_blocks,
             num_free_kv_blocks=self.kv_cache.pool.num_free_blocks,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
         )
 
     def _output(self, request: Request, new_token_ids: list[int], token: SampledToken | None) -> EngineOutput:

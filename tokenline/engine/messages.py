@@ -85,6 +85,9 @@ class EngineStats:
     num_steps: int = 0
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
+    spec_decode_num_drafts: int = 0  # speculative steps (a request verifying drafts)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 # --- messages between the API process and the engine process --------------------------------

@@ -6,17 +6,23 @@ Running requests go first, then waiting ones. A long prompt therefore prefills i
 ongoing decodes, and requests join and leave the batch at every step. When blocks run out, the
 lowest-priority (latest) running request is preempted: its blocks are freed and it is recomputed
 later.
+
+Speculative decoding fits the same rule: a decoding request may compute its last token plus a few
+drafted guesses in one step; the runner returns the model's own token at every position, and the
+request keeps the drafts the model agrees with plus one token of its own.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
+from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
 
 
@@ -29,17 +35,31 @@ class SchedulerConfig:
 
 @dataclass
 class StepResult:
-    """What one step did to one request: the token it gained, and whether that finished it."""
+    """What one step did to one request: the tokens it gained, and whether that finished it."""
 
     request: Request
     token: SampledToken | None
     finished: bool
+    new_token_ids: list[int]  # token.token_id, or with speculation the accepted drafts + one
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # steps in which a request verified drafts
+    num_draft_tokens: int = 0  # tokens drafted
+    num_accepted_tokens: int = 0  # drafted tokens the model agreed with
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: NgramProposer | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # A hybrid model's recurrent state absorbs every computed token and cannot take back
+        # rejected drafts, so it never speculates.
+        self.proposer = proposer if kv_cache.num_state_slots == 0 else None
+        self.spec_stats = SpecDecodeStats()
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -77,6 +97,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens computed this step
+        drafts: dict[str, list[int]] = {}  # request id -> draft tokens among those
         preempted = False
 
         for request in list(self.running):
@@ -85,9 +106,16 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            decoding = request.num_tokens - request.num_computed_tokens == 1  # only the last token is new
+            guess = self._propose(request, budget) if decoding else []
+            # Drafts only take free blocks: speculation never preempts anyone.
+            if guess and self.kv_cache.allocate_slots(request, 1 + len(guess)):
+                drafts[request.request_id] = guess
+                num_new += len(guess)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = max(self.running, key=Request.sort_key)
                 budget += scheduled.pop(victim.request_id, 0)
+                drafts.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -120,7 +148,9 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
-        return ScheduledBatch([self._scheduled_seq(self.requests[rid], n) for rid, n in scheduled.items()])
+        return ScheduledBatch(
+            [self._scheduled_seq(self.requests[rid], n, drafts.get(rid, [])) for rid, n in scheduled.items()]
+        )
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, SampledToken]) -> list[StepResult]:
         """Advance each scheduled request by what the runner computed and sampled."""
@@ -133,26 +163,76 @@ class Scheduler:
                 continue
             request.timings.num_steps += 1
             request.timings.num_shared_steps += shared
-            request.num_computed_tokens += seq.num_tokens
-            self.kv_cache.cache_full_blocks(request)
             if not seq.sample:
+                request.num_computed_tokens += seq.num_tokens
+                self.kv_cache.cache_full_blocks(request)
                 continue  # a prefill chunk that does not reach the end yet
             token = sampled[seq.request_id]
-            request.token_ids.append(token.token_id)
+            new_token_ids = self._accept(seq.draft_token_ids, token)
+            reason = None
+            for i, token_id in enumerate(new_token_ids):
+                request.token_ids.append(token_id)
+                reason = self._check_stop(request, token_id)
+                if reason is not None:
+                    del new_token_ids[i + 1 :]  # tokens after a stop are never shown
+                    break
+            # Valid KV now covers the last token and the drafts kept, i.e. all tokens but the newest;
+            # the rejected drafts' slots hold garbage that later tokens overwrite.
+            request.num_computed_tokens += seq.num_tokens - len(seq.draft_token_ids) + len(new_token_ids) - 1
+            self.kv_cache.cache_full_blocks(request)
             if request.timings.first_token is None:
                 request.timings.first_token = now
             request.timings.last_token = now
-            reason = self._check_stop(request, token.token_id)
             if reason is not None:
                 self._finish(request, reason)
-            results.append(StepResult(request, token, reason is not None))
+            results.append(StepResult(request, token, reason is not None, new_token_ids))
         return results
+
+    # --- speculative decoding ------------------------------------------------------------------
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, or none when it must not speculate."""
+        if self.proposer is None:
+            return []
+        params = request.sampling
+        # Only plain greedy requests: their verification is an exact comparison with the argmax,
+        # and nothing else (logprobs, penalties, biases, banned ids) depends on the step's position.
+        if (
+            params.temperature is None
+            or params.temperature >= 1e-5  # the sampler's greedy threshold
+            or params.logprobs is not None
+            or params.logit_bias
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty not in (None, 1.0)
+            or request.num_output_tokens < params.min_tokens
+        ):
+            return []
+        # Room for the drafts and the model's own token after them, within every limit.
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request.request_id, request.token_ids, room)
+
+    def _accept(self, drafts: Sequence[int], token: SampledToken) -> list[int]:
+        """The drafts the model agrees with, then the model's own token after the last of them."""
+        targets = [token.token_id, *token.draft_targets]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        if drafts:
+            self.spec_stats.num_drafts += 1
+            self.spec_stats.num_draft_tokens += len(drafts)
+            self.spec_stats.num_accepted_tokens += accepted
+        return targets[: accepted + 1]
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled_seq(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         sample = end == request.num_tokens
         params = request.sampling
         banned: tuple[int, ...] = ()
@@ -160,7 +240,7 @@ class Scheduler:
             banned = (*request.eos_token_ids, *params.stop_token_ids)
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.token_ids[start:end],
+            token_ids=request.token_ids[start:end] + drafts,
             start_pos=start,
             block_table=self.kv_cache.block_table(request.request_id),
             sample=sample,
@@ -170,6 +250,7 @@ class Scheduler:
             generator=request.generator,
             banned_token_ids=banned,
             state_slot=self.kv_cache.state_slot(request.request_id),
+            draft_token_ids=drafts,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
@@ -199,6 +280,8 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.timings.finished = time.monotonic()

@@ -59,10 +59,11 @@ class ModelRunner:
         if not sampling_seqs:
             return {}
         logits = self.model.compute_logits(hidden[logits_rows])
-        rows = [
-            SamplingRow(s.sampling, s.prompt_token_ids, s.output_token_ids, s.generator, s.banned_token_ids)
-            for s in sampling_seqs
-        ]
+        rows = []
+        for s in sampling_seqs:
+            row = SamplingRow(s.sampling, s.prompt_token_ids, s.output_token_ids, s.generator, s.banned_token_ids)
+            # A sequence with drafts is greedy and plain (the scheduler sees to it): one row per position.
+            rows.extend([row] * (1 + len(s.draft_token_ids)))
         sampled = self.sampler(logits, SamplingMetadata.build(rows, self.sampler.vocab_size, self.device))
         return self._to_tokens(sampling_seqs, sampled)
 
@@ -98,7 +99,7 @@ class ModelRunner:
                 block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
                 prefills.append(PrefillSpan(start, n, context_len, block_table, slot))
             if seq.sample:
-                logits_rows.append(start + n - 1)
+                logits_rows.extend(range(start + n - 1 - len(seq.draft_token_ids), start + n))
                 sampling_seqs.append(seq)
 
         meta = AttentionMetadata(
@@ -131,11 +132,14 @@ class ModelRunner:
         top_ids = sampled.top_logprob_ids.tolist() if sampled.top_logprob_ids is not None else None
         top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         out = {}
-        for row, seq in enumerate(seqs):
+        row = 0
+        for seq in seqs:
             token_logprobs = None
             wanted = seq.sampling.logprobs
             if wanted is not None and logprobs is not None:
                 top = list(zip(top_ids[row][:wanted], top_values[row][:wanted])) if top_ids and wanted else []
                 token_logprobs = TokenLogprobs(logprob=logprobs[row], top=top)
-            out[seq.request_id] = SampledToken(token_ids[row], token_logprobs)
+            end = row + 1 + len(seq.draft_token_ids)
+            out[seq.request_id] = SampledToken(token_ids[row], token_logprobs, token_ids[row + 1 : end])
+            row = end
         return out
