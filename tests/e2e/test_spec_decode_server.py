@@ -50,11 +50,15 @@ def test_same_streamed_text_and_usage_as_without_speculation(tmp_path: Path, ser
     expected_stopped = stream(server, with_stop)
     assert PASSAGE.split(".")[0] in expected[0]  # the model does copy the passage
 
-    with start_server(tmp_path, "--speculative", "ngram") as spec_server:
+    with start_server(tmp_path, "--speculative", "ngram", "--dtype", "float32") as spec_server:
         got = stream(spec_server, GREEDY)
         got_stopped = stream(spec_server, with_stop)
         metrics = spec_server.metrics()
 
+    # Cached prompt tokens depend on what each server saw before (the session server has served
+    # other chats sharing the template's system prompt); everything else must be equal.
+    for usage in (got[2], expected[2], got_stopped[2], expected_stopped[2]):
+        usage.pop("prompt_tokens_details", None)
     assert got == expected
     assert got[2]["completion_tokens"] > 20
     # A stop string inside a run of accepted drafts ends the text at the same place. (The engine may
