@@ -11,6 +11,7 @@
  *   blocks in place (no gather of the history into a padded copy, no mask).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,8 +170,8 @@ static inline void load_row(const void *base, int64_t index, int64_t n, int dtyp
 }
 
 #if defined(__AVX512F__)
-#define TL_MAX_GROUP 8   /* query heads per KV head on the vector path */
 #define TL_MAX_DH16 16   /* head_dim / 16 on the vector path (head_dim <= 256) */
+#define TL_MAX_QVEC 256  /* query heads x head_dim / 16 one work item holds in vectors */
 
 static inline __m512 load16(const void *base, int64_t index, int dtype) {
     if (dtype == TL_BFLOAT16) {
@@ -218,58 +219,67 @@ static inline void softmax_avx512(float *s, int64_t n) {
     }
 }
 
-/* One (sequence, KV head) pair: its `group` query heads against `len` cached tokens. */
+/* One sequence's KV heads [g0, g0 + ng) with their `group` query heads each, against `len` cached
+ * tokens. Taking all of a sequence's KV heads at once reads each token's row (KVH * Dh values)
+ * whole, so a block is one contiguous stream. */
 static void decode_attention_item_avx512(int dtype, const void *q, int64_t q_index, const void *k_cache,
                                          const void *v_cache, const int64_t *table, int64_t len, void *out,
-                                         int64_t out_index, int64_t group, int64_t Dh, int64_t block_size,
-                                         int64_t token_stride, int64_t kv_offset, float scale, float *scores,
+                                         int64_t out_index, int64_t g0, int64_t ng, int64_t group, int64_t Dh,
+                                         int64_t block_size, int64_t token_stride, float scale, float *scores,
                                          int64_t max_len) {
     const int64_t nv = Dh / 16;
-    __m512 qv[TL_MAX_GROUP * TL_MAX_DH16];
-    for (int64_t j = 0; j < group; j++)
+    const int64_t heads = ng * group;
+    __m512 qv[TL_MAX_QVEC];
+    for (int64_t h = 0; h < heads; h++)
         for (int64_t c = 0; c < nv; c++)
-            qv[j * nv + c] = _mm512_mul_ps(load16(q, q_index + j * Dh + c * 16, dtype), _mm512_set1_ps(scale));
-    /* Scores, block by block: a block's tokens sit token_stride apart. */
+            qv[h * nv + c] = _mm512_mul_ps(load16(q, q_index + h * Dh + c * 16, dtype), _mm512_set1_ps(scale));
+    /* Scores, block by block. */
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t base = table[start / block_size] * block_size;
         const int64_t n = len - start < block_size ? len - start : block_size;
         for (int64_t off = 0; off < n; off++) {
-            const int64_t row = (base + off) * token_stride + kv_offset;
-            __m512 kv[TL_MAX_DH16];
-            for (int64_t c = 0; c < nv; c++) kv[c] = load16(k_cache, row + c * 16, dtype);
-            for (int64_t j = 0; j < group; j++) {
-                __m512 acc = _mm512_mul_ps(qv[j * nv], kv[0]);
-                for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[j * nv + c], kv[c], acc);
-                scores[j * max_len + start + off] = _mm512_reduce_add_ps(acc);
+            const int64_t row = (base + off) * token_stride + g0 * Dh;
+            for (int64_t g = 0; g < ng; g++) {
+                __m512 kv[TL_MAX_DH16];
+                for (int64_t c = 0; c < nv; c++) kv[c] = load16(k_cache, row + g * Dh + c * 16, dtype);
+                for (int64_t j = 0; j < group; j++) {
+                    const int64_t h = g * group + j;
+                    __m512 acc = _mm512_mul_ps(qv[h * nv], kv[0]);
+                    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[h * nv + c], kv[c], acc);
+                    scores[h * max_len + start + off] = _mm512_reduce_add_ps(acc);
+                }
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) softmax_avx512(scores + j * max_len, len);
-    __m512 acc[TL_MAX_GROUP * TL_MAX_DH16];
-    for (int64_t i = 0; i < group * nv; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < heads; h++) softmax_avx512(scores + h * max_len, len);
+    __m512 acc[TL_MAX_QVEC];
+    for (int64_t i = 0; i < heads * nv; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t base = table[start / block_size] * block_size;
         const int64_t n = len - start < block_size ? len - start : block_size;
         for (int64_t off = 0; off < n; off++) {
-            const int64_t row = (base + off) * token_stride + kv_offset;
-            __m512 vv[TL_MAX_DH16];
-            for (int64_t c = 0; c < nv; c++) vv[c] = load16(v_cache, row + c * 16, dtype);
-            for (int64_t j = 0; j < group; j++) {
-                const __m512 p = _mm512_set1_ps(scores[j * max_len + start + off]);
-                for (int64_t c = 0; c < nv; c++) acc[j * nv + c] = _mm512_fmadd_ps(p, vv[c], acc[j * nv + c]);
+            const int64_t row = (base + off) * token_stride + g0 * Dh;
+            for (int64_t g = 0; g < ng; g++) {
+                __m512 vv[TL_MAX_DH16];
+                for (int64_t c = 0; c < nv; c++) vv[c] = load16(v_cache, row + g * Dh + c * 16, dtype);
+                for (int64_t j = 0; j < group; j++) {
+                    const int64_t h = g * group + j;
+                    const __m512 p = _mm512_set1_ps(scores[h * max_len + start + off]);
+                    for (int64_t c = 0; c < nv; c++) acc[h * nv + c] = _mm512_fmadd_ps(p, vv[c], acc[h * nv + c]);
+                }
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
+    for (int64_t h = 0; h < heads; h++) {
         for (int64_t c = 0; c < nv; c++) {
-            const int64_t o = out_index + j * Dh + c * 16;
+            const int64_t o = out_index + h * Dh + c * 16;
             if (dtype == TL_BFLOAT16) {
                 float tmp[16];
-                _mm512_storeu_ps(tmp, acc[j * nv + c]);
+                _mm512_storeu_ps(tmp, acc[h * nv + c]);
                 uint16_t *dst = (uint16_t *)out + o;
                 for (int i = 0; i < 16; i++) dst[i] = f32_to_bf16(tmp[i]);
             } else {
-                _mm512_storeu_ps((float *)out + o, acc[j * nv + c]);
+                _mm512_storeu_ps((float *)out + o, acc[h * nv + c]);
             }
         }
     }
@@ -282,25 +292,32 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
     const int64_t group = H / KVH;
     const int64_t token_stride = KVH * Dh; /* elements between consecutive tokens of a block */
 #if defined(__AVX512F__)
-    const int vector_path = Dh % 16 == 0 && Dh / 16 <= TL_MAX_DH16 && group <= TL_MAX_GROUP;
+    const int vector_path = Dh % 16 == 0 && Dh / 16 <= TL_MAX_DH16 && group * (Dh / 16) <= TL_MAX_QVEC;
+    /* A whole sequence per work item when there are enough sequences to share out and its query
+     * vectors fit; otherwise one item per (sequence, KV head). */
+    const int64_t kv_per_item =
+        vector_path && D >= 2 * omp_get_max_threads() && H * (Dh / 16) <= TL_MAX_QVEC ? KVH : 1;
+#else
+    const int64_t kv_per_item = 1;
 #endif
+    const int64_t items_per_seq = KVH / kv_per_item;
 #pragma omp parallel
     {
-        /* Per-thread scratch: scores [group, max_len], query and accumulator rows, one K/V row. */
-        float *scores = (float *)malloc((size_t)(group * max_len) * sizeof(float));
+        /* Per-thread scratch: scores [heads of an item, max_len], query and accumulator rows, one K/V row. */
+        float *scores = (float *)malloc((size_t)(kv_per_item * group * max_len) * sizeof(float));
         float *qf = (float *)malloc((size_t)(group * Dh) * sizeof(float));
         float *acc = (float *)malloc((size_t)(group * Dh) * sizeof(float));
         float *row = (float *)malloc((size_t)Dh * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < D * KVH; item++) {
-            const int64_t d = item / KVH, g = item % KVH;
+        for (int64_t item = 0; item < D * items_per_seq; item++) {
+            const int64_t d = item / items_per_seq, g = (item % items_per_seq) * kv_per_item;
             const int64_t len = lens[d];
             const int64_t *table = tables + d * width;
 #if defined(__AVX512F__)
             if (vector_path) {
                 decode_attention_item_avx512(dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache, table, len,
-                                             out, (d * H + g * group) * Dh, group, Dh, block_size, token_stride,
-                                             g * Dh, scale, scores, max_len);
+                                             out, (d * H + g * group) * Dh, g, kv_per_item, group, Dh, block_size,
+                                             token_stride, scale, scores, max_len);
                 continue;
             }
 #endif
