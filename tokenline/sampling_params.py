@@ -23,6 +23,7 @@ _FALLBACKS: dict[str, Any] = {
 GENERATION_CONFIG_KEYS = tuple(_FALLBACKS)
 
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (see SamplingParams.greedy)
 
 
 class SamplingParamsError(ValueError):
@@ -121,4 +122,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_TEMPERATURE are greedy: dividing by them would only overflow."""
+        return self.temperature is not None and self.temperature < GREEDY_TEMPERATURE

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from tokenline.engine.ngram_proposer import check_ngram_settings
+
 if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore
 
@@ -39,13 +41,7 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gib must be positive")
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(
-                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
-            )
+        check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:

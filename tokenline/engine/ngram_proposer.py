@@ -23,12 +23,7 @@ class NgramProposer:
     """
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}"
-            )
+        check_ngram_settings(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
@@ -50,6 +45,18 @@ class NgramProposer:
     def forget(self, request_id: str) -> None:
         """The request is gone: drop its buffer."""
         self._ids.pop(request_id, None)
+
+
+def check_ngram_settings(num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    """Raise ValueError unless the proposer's settings make sense (the engine config checks them
+    through this too, before any model loads)."""
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
+    if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError(
+            "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{prompt_lookup_min} and {prompt_lookup_max}"
+        )
 
 
 def find_continuation(packed: bytes, min_n: int, max_n: int) -> int:

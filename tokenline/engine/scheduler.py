@@ -198,8 +198,7 @@ class Scheduler:
         # Only plain greedy requests: their verification is an exact comparison with the argmax,
         # and nothing else (logprobs, penalties, biases, banned ids) depends on the step's position.
         if (
-            params.temperature is None
-            or params.temperature >= 1e-5  # the sampler's greedy threshold
+            not params.greedy
             or params.logprobs is not None
             or params.logit_bias
             or params.presence_penalty != 0.0

@@ -21,8 +21,6 @@ import torch
 
 from tokenline.sampling_params import SamplingParams
 
-# Temperatures below this are treated as greedy: dividing by them would only overflow.
-_GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -79,7 +77,7 @@ class SamplingMetadata:
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
         """Pack the rows' parameters into tensors on ``device``. One host-to-device copy per used stage."""
         num_rows = len(rows)
-        greedy = [row.params.temperature < _GREEDY_EPS for row in rows]
+        greedy = [row.params.greedy for row in rows]
         all_greedy = all(greedy)
         all_random = not any(greedy)
 
