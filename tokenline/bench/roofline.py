@@ -15,7 +15,6 @@ import gc
 import json
 import math
 import os
-import random
 import re
 import statistics
 import time
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from tokenline.bench.serve import percentile
+from tokenline.bench.throughput import synthetic_prompts
 from tokenline.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -330,29 +330,23 @@ def _all_prefilled(core: EngineCore, batch_size: int) -> bool:
 
 
 def measure_decode_steps(
-    core: EngineCore,
-    batch_size: int,
-    prompt_len: int,
-    steps: int,
-    warmup_steps: int,
-    token_ids: Sequence[int],
-    seed: int = 0,
+    core: EngineCore, prompts: Sequence[Sequence[int]], steps: int, warmup_steps: int
 ) -> StepTiming:
-    """Admit ``batch_size`` random prompts, prefill them, warm up, then time ``steps`` calls of
-    ``core.step()`` in which every sequence decodes one token. Aborts the requests afterwards."""
+    """Admit the prompts (one sequence each, all of one length), prefill them, warm up, then time
+    ``steps`` calls of ``core.step()`` in which every sequence decodes one token. Aborts the
+    requests afterwards."""
     from tokenline.engine.messages import EngineRequest
     from tokenline.sampling_params import SamplingParams
 
-    rng = random.Random(seed * 1_000_003 + batch_size)
+    batch_size, prompt_len = len(prompts), len(prompts[0])
     budget = core.scheduler.config.max_num_batched_tokens
     max_prefill_steps = _max_prefill_steps(batch_size, prompt_len, budget)
     max_tokens = decode_max_tokens(batch_size, prompt_len, budget, warmup_steps, steps)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True).with_defaults()
     ids = [f"roofline-b{batch_size}-{i}" for i in range(batch_size)]
     try:
-        for request_id in ids:
-            prompt = [rng.choice(token_ids) for _ in range(prompt_len)]
-            core.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling))
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            core.add_request(EngineRequest(request_id=request_id, prompt_token_ids=list(prompt), sampling=sampling))
         num_prefill_steps = 0
         while not _all_prefilled(core, batch_size):
             if num_prefill_steps == max_prefill_steps:
@@ -555,7 +549,6 @@ def run_roofline(config: RooflineConfig, log: Callable[[str], None] = lambda _: 
     model_config = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     special = set(tokenizer.all_special_ids)
-    ordinary = [i for i in range(tokenizer.vocab_size) if i not in special]  # as bench throughput draws them
     max_batch = max(config.batch_sizes)
     budget = max(EngineConfig().max_num_batched_tokens, max_batch)
     block_size = EngineConfig().block_size
@@ -587,9 +580,11 @@ def run_roofline(config: RooflineConfig, log: Callable[[str], None] = lambda _: 
     peak = machine.matmul_gflops[config.dtype]
     for batch_size in config.batch_sizes:
         log(f"timing decode steps at batch {batch_size}")
-        timing = measure_decode_steps(
-            core, batch_size, config.prompt_len, config.steps, config.warmup_steps, ordinary, config.seed
+        # Random ordinary tokens, drawn as bench throughput draws them, fresh per batch size.
+        prompts = synthetic_prompts(
+            batch_size, config.prompt_len, tokenizer.vocab_size, special, config.seed * 1_000_003 + batch_size
         )
+        timing = measure_decode_steps(core, prompts, config.steps, config.warmup_steps)
         report.rows.append(
             make_row(timing, model_config, params, weight_dtype_size, kv_dtype_size, machine.bandwidth.gb_per_s, peak)
         )
