@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
+from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq
 
 
 class FakeRunner:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenline.engine.batch import Runner, SampledToken
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats, FinishReason
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
+from tokenline.model.batch import Runner, SampledToken
 
 
 class RequestRejected(ValueError):

@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenline.model.batch import TokenLogprobs  # defined beside the runner that produces it
 from tokenline.sampling_params import SamplingParams
 
 
@@ -43,14 +44,6 @@ class RequestTimings:
     finished: float | None = None
     num_steps: int = 0  # engine steps that computed some of its tokens
     num_shared_steps: int = 0  # of those, steps whose batch also held other requests
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probability of a generated token and, when asked, the top alternatives at that step."""
-
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

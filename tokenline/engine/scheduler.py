@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
+from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq
 
 
 @dataclass

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tokenline.engine.batch import SampledToken, ScheduledBatch, ScheduledSeq
-from tokenline.engine.messages import TokenLogprobs
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
+from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, TokenLogprobs
 from tokenline.model.config import ModelConfig
 from tokenline.model.loader import load_model
 from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow

@@ -1,19 +1,29 @@
 """The scheduler's decision for one step, and what the runner hands back.
 
 This is the whole contract between the engine (bookkeeping) and the model runner (tensors): the
-runner sees token ids, positions, block ids and sampling settings, never a ``Request``.
+runner sees token ids, positions, block ids and sampling settings, never a ``Request``. It lives
+in the model package, the lower of the two, so the model never imports the engine that drives it;
+and it stays torch-free at import time because the API process reads ``TokenLogprobs`` too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from tokenline.engine.messages import TokenLogprobs
 from tokenline.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of a generated token and, when asked, the top alternatives at that step."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
