@@ -101,10 +101,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_make_test_model(args: argparse.Namespace) -> int:
-    from tokenline.model.test_models import make_qwen3_5_tiny
+    from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
+    from tokenline.model.random_models import make_qwen3_5_tiny
 
     makers = {"qwen3.5-tiny": make_qwen3_5_tiny}
     makers[args.kind](Path(args.out), seed=args.seed)
+    build_qwen_tokenizer(Path(args.out))  # the real Qwen3.5 vocabulary, so the model can be served
     print(args.out)
     return 0
 

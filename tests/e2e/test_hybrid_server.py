@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server, start_server
-from tokenline.model.test_models import make_qwen3_5_tiny
+from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
+from tokenline.model.random_models import make_qwen3_5_tiny
 
 TOOLS = [
     {
@@ -30,6 +31,7 @@ TOOLS = [
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = tmp_path_factory.mktemp("tiny") / "qwen3.5-tiny"
     make_qwen3_5_tiny(model_dir, seed=0)
+    build_qwen_tokenizer(model_dir)
     flags = ("--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3", "--served-model-name", "tiny")
     with start_server(tmp_path_factory.mktemp("hybrid"), str(model_dir), *flags) as server:
         yield server

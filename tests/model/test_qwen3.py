@@ -13,7 +13,7 @@ from tokenline.model import config as config_module
 from tokenline.model.config import ModelConfig
 from tokenline.model.loader import iter_safetensors
 from tokenline.model.qwen3 import Qwen3ForCausalLM
-from tokenline.model.test_models import make_qwen3_tiny
+from tokenline.model.random_models import make_qwen3_tiny
 
 NUM_BLOCKS = 128
 

