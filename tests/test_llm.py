@@ -118,10 +118,10 @@ def test_mix_of_finished_aborted_and_preempted_requests_returns_every_block(defa
 
 
 def test_bad_input_is_refused_clearly(llm: LLM) -> None:
-    from tokenline.engine.engine_core import RequestRejected
+    from tokenline.frontend.processor import PromptError
     from tokenline.sampling_params import SamplingParamsError
 
-    with pytest.raises(RequestRejected, match="context"):
+    with pytest.raises(PromptError, match="context"):
         llm.generate([1] * 10, SamplingParams(max_tokens=llm.engine.max_model_len))
     with pytest.raises(ValueError, match="out of range"):
         llm.generate([[1, 2, 10**9]])

@@ -56,7 +56,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from tokenline.edge.app import ServerSettings, serve
+    from tokenline.api.app import ServerSettings, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings(
@@ -203,13 +203,13 @@ def cmd_bench_roofline(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    from tokenline.edge.ledger import usage_command
+    from tokenline.gateway.ledger import usage_command
 
     return usage_command(args.db, args.since, args.until, args.tenant, args.json)
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    from tokenline.edge.keys import KeyFileError, add_key
+    from tokenline.gateway.keys import KeyFileError, add_key
 
     models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
     try:

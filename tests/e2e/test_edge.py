@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server, free_port, start_server, wait_healthy, wait_until
-from tokenline.edge.keys import add_key, hash_key
+from tokenline.gateway.keys import add_key, hash_key
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -29,8 +29,8 @@ import pytest
 
 from tests.e2e.conftest import Server, start_server, wait_until
 from tokenline.cli import main as cli_main
-from tokenline.edge.keys import add_key
-from tokenline.edge.ledger import UsageLedger, UsageRecord
+from tokenline.gateway.keys import add_key
+from tokenline.gateway.ledger import UsageLedger, UsageRecord
 
 MODEL = "SmolLM2-135M-Instruct"
 INPUT_PRICE, OUTPUT_PRICE = 0.45, 3.20  # USD per million tokens

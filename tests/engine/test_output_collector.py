@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tokenline.engine.async_client import EngineDeadError, OutputCollector
+from tokenline.engine.client import EngineDeadError, OutputCollector
 from tokenline.engine.messages import EngineOutput, FinishReason, TokenLogprobs
 
 

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenline.edge.errors import APIError
-from tokenline.edge.keys import Tenant, TenantLimits
+from tokenline.gateway.errors import APIError
+from tokenline.gateway.keys import Tenant, TenantLimits
 
 __all__ = [
     "MemoryRateLimiter",

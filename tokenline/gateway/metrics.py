@@ -11,27 +11,39 @@ requests that produced a first token and e2e latency's count equals the sum of
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenline.engine.async_client import AsyncEngineClient
-from tokenline.engine.messages import RequestTimings
+from tokenline.engine.messages import EngineStats, RequestTimings
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+class StatsSource(Protocol):
+    """Where the engine series come from: any ``EngineClient`` (one engine, or a router's sum)."""
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def num_inflight(self) -> int: ...
+
+    def backlog_tokens(self) -> int: ...
+
+
 class _EngineCollector(Collector):
-    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
-        self.client = client
+    def __init__(self, source: StatsSource, model_name: str) -> None:
+        self.source = source
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.client.stats
+        stats = self.source.stats
         label = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -58,22 +70,22 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tokenline_kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_kv_blocks)
         yield GaugeMetricFamily("tokenline_kv_cache_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks)
         yield GaugeMetricFamily(
-            "tokenline_inflight_requests", "Engine requests the API process waits on.", self.client.num_inflight
+            "tokenline_inflight_requests", "Engine requests the API process waits on.", self.source.num_inflight
         )
         yield GaugeMetricFamily(
             "tokenline_stream_backlog_tokens",
             "Generated tokens not yet taken by their (slow) clients.",
-            self.client.backlog_tokens(),
+            self.source.backlog_tokens(),
         )
 
 
 class ServerMetrics:
     """The server's own registry (no global state): engine series plus per-request observations."""
 
-    def __init__(self, client: AsyncEngineClient, model_name: str) -> None:
+    def __init__(self, source: StatsSource, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(client, model_name))
+        self.registry.register(_EngineCollector(source, model_name))
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)

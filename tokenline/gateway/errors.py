@@ -76,6 +76,11 @@ class APIError(Exception):
         return cls(400, message, "invalid_request_error", param, code)
 
     @classmethod
+    def invalid_request(cls, exc: Exception) -> APIError:
+        """A 400 from a lower layer's error that names its ``param`` (and maybe a ``code``)."""
+        return cls.bad_request(str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
+
+    @classmethod
     def unauthorized(cls, message: str = "Invalid API key.", code: str | None = "invalid_api_key") -> APIError:
         return cls(401, message, "authentication_error", None, code, {"WWW-Authenticate": "Bearer"})
 
@@ -224,8 +229,13 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     return APIError.server_error().to_response()
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Make every error the app returns look like OpenAI's.
+async def _on_invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    return APIError.invalid_request(exc).to_response()
+
+
+def install_error_handlers(app: FastAPI, invalid_request_errors: Sequence[type[Exception]] = ()) -> None:
+    """Make every error the app returns look like OpenAI's. ``invalid_request_errors``: exception
+    types of the layers below (a prompt the model cannot take, …) that mean a 400 naming ``param``.
 
     Note: Starlette re-raises an unexpected exception after the 500 is sent (so the ASGI server
     logs it too), and `TestClient` re-raises it unless built with `raise_server_exceptions=False`.
@@ -235,4 +245,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    for error_type in invalid_request_errors:
+        app.add_exception_handler(error_type, _on_invalid_request)
     app.add_exception_handler(Exception, _on_unexpected)

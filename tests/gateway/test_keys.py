@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenline.cli import main
-from tokenline.edge.keys import KeyFileError, KeyStore, Tenant, TenantLimits, add_key, hash_key
+from tokenline.gateway.keys import KeyFileError, KeyStore, Tenant, TenantLimits, add_key, hash_key
 
 ACME_KEY = "tl-acme-secret"
 BETA_KEY = "tl-beta-secret"
@@ -127,7 +127,7 @@ def test_reload_picks_up_a_new_tenant_and_survives_a_broken_file(
     assert store.authenticate("tl-gamma").name == "gamma"
 
     keys_file.write_text("[[tenant]]\nname = 'broken'\n")  # no key_sha256
-    with caplog.at_level(logging.ERROR, logger="tokenline.edge.keys"), pytest.raises(KeyFileError):
+    with caplog.at_level(logging.ERROR, logger="tokenline.gateway.keys"), pytest.raises(KeyFileError):
         store.reload()
     assert "not reloaded" in caplog.text and "keeping 3 tenant(s)" in caplog.text
     # The old tenants still work.

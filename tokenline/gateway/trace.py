@@ -27,7 +27,7 @@ STAGES = (
 
 @dataclass
 class RequestTrace:
-    request_id: str
+    request_id: str  # the caller's X-Request-Id, or one assigned at the door
     tenant: str | None = None
     model: str | None = None
     wall_arrival: float = field(default_factory=time.time)
@@ -37,17 +37,25 @@ class RequestTrace:
     status: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    response_id: str | None = None  # the id in the response body (chatcmpl-…, cmpl-…)
+    engine_request_ids: list[str] = field(default_factory=list)  # one per choice, as the engine knows them
 
     def mark(self, stage: str, at: float | None = None) -> None:
         """Record a stage once (the first time it happens)."""
         if stage not in self.stamps:
             self.stamps[stage] = time.monotonic() if at is None else at
 
+    def since_arrival(self, stage: str) -> float | None:
+        at = self.stamps.get(stage)
+        return None if at is None else at - self.stamps["arrived"]
+
     def to_dict(self) -> dict[str, Any]:
         origin = self.stamps.get("arrived", 0.0)
         stages = {s: round(self.stamps[s] - origin, 6) for s in STAGES if s in self.stamps}
         return {
             "request_id": self.request_id,
+            "response_id": self.response_id,
+            "engine_request_ids": self.engine_request_ids,
             "tenant": self.tenant,
             "model": self.model,
             "arrived_at": self.wall_arrival,

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tokenline.edge.errors import APIError
-from tokenline.edge.keys import Tenant, TenantLimits
-from tokenline.edge.rate_limit import (
+from tokenline.gateway.errors import APIError
+from tokenline.gateway.keys import Tenant, TenantLimits
+from tokenline.gateway.rate_limit import (
     DAY_S,
     MemoryRateLimiter,
     RateLimiter,
@@ -392,9 +392,9 @@ def test_redis_two_limiters_cannot_together_exceed_the_limit(redis_url: str) -> 
 
 _WORKER = textwrap.dedent("""
     import asyncio, json, sys, time
-    from tokenline.edge.errors import APIError
-    from tokenline.edge.keys import Tenant, TenantLimits
-    from tokenline.edge.rate_limit import RedisRateLimiter
+    from tokenline.gateway.errors import APIError
+    from tokenline.gateway.keys import Tenant, TenantLimits
+    from tokenline.gateway.rate_limit import RedisRateLimiter
 
     url, start_at = sys.argv[1], float(sys.argv[2])
     tenant = Tenant("procs", "0" * 64, ("*",), TenantLimits(daily_tokens=1000, max_concurrent=50), False)

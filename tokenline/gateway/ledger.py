@@ -30,16 +30,17 @@ from typing import Any, TextIO
 
 from tokenline.model.model_store import tokenline_home
 
-logger = logging.getLogger("tokenline.edge.ledger")
+logger = logging.getLogger("tokenline.gateway.ledger")
 
 STATUSES = ("finished", "stopped", "cancelled", "timed_out", "failed")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: response_id
 _MAX_BATCH = 512  # rows committed in one transaction at most; bounds the latency of the first
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     id                INTEGER PRIMARY KEY,
     request_id        TEXT    NOT NULL,
+    response_id       TEXT,
     tenant            TEXT    NOT NULL,
     model             TEXT    NOT NULL,
     status            TEXT    NOT NULL,
@@ -68,7 +69,7 @@ class UsageRecord:
     """What one request used. ``completion_tokens`` counts the tokens actually produced, also
     for a request that was cancelled or timed out. ``cost_usd`` is set by the ledger."""
 
-    request_id: str
+    request_id: str  # the X-Request-Id (the caller's or ours)
     tenant: str
     model: str
     status: str  # one of STATUSES
@@ -81,6 +82,7 @@ class UsageRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     cost_usd: float = 0.0
+    response_id: str | None = None  # the response body's id (chatcmpl-…); joins the row to the trace
 
     def validate(self) -> None:
         """Raise ``ValueError`` for a record that must not reach the ledger."""
@@ -217,6 +219,15 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a ledger written by an older tokenline up to this schema (rows are never rewritten)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+    if "response_id" not in columns:  # schema 1
+        conn.execute("ALTER TABLE usage ADD COLUMN response_id TEXT")
+    if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
 class UsageLedger:
     """Append-only usage records in SQLite, written by one background thread.
 
@@ -236,8 +247,7 @@ class UsageLedger:
             if mode.lower() != "wal":
                 raise RuntimeError(f"{self.path}: could not switch SQLite to WAL mode (got {mode!r})")
             conn.executescript(_SCHEMA)
-            if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            _migrate(conn)
         finally:
             conn.close()
 

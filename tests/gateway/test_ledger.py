@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tokenline.cli import main
-from tokenline.edge.ledger import (
+from tokenline.gateway.ledger import (
     ModelPrice,
     PriceTable,
     UsageLedger,
@@ -247,7 +247,7 @@ def test_cli_missing_db(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 _CHILD = textwrap.dedent("""
     import asyncio, sys
-    from tokenline.edge.ledger import PriceTable, UsageLedger, UsageRecord
+    from tokenline.gateway.ledger import PriceTable, UsageLedger, UsageRecord
 
     async def main() -> None:
         ledger = UsageLedger(sys.argv[1], PriceTable())

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tokenline.edge.errors import APIError, install_error_handlers
-from tokenline.edge.protocol import (
+from tokenline.frontend.processor import InputProcessor, PromptError
+from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.gateway.errors import APIError, install_error_handlers
+from tokenline.api.protocol import (
     AssistantMessage,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -40,19 +43,19 @@ MAX_MODEL_LEN = 100
 PROMPT_LEN = 10
 
 
-def _app() -> FastAPI:
+def _app(processor: InputProcessor) -> FastAPI:
     app = FastAPI()
-    install_error_handlers(app)
+    install_error_handlers(app, invalid_request_errors=(PromptError,))
 
     @app.post("/chat")
     def chat(req: ChatCompletionRequest) -> dict[str, Any]:
-        req.check()  # as the server does: refuse unsupported fields, then map
-        return dataclasses.asdict(req.to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN))
+        req.check()  # as the server does: refuse unsupported fields, map, fit to the context
+        return dataclasses.asdict(processor.fit(req.to_sampling_params(), PROMPT_LEN, req.param_names))
 
     @app.post("/completions")
     def completions(req: CompletionRequest) -> dict[str, Any]:
         req.check()
-        return dataclasses.asdict(req.to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN))
+        return dataclasses.asdict(processor.fit(req.to_sampling_params(), PROMPT_LEN, req.param_names))
 
     @app.post("/tokenize")
     def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -75,8 +78,14 @@ def _app() -> FastAPI:
 
 
 @pytest.fixture(scope="module")
-def client() -> TestClient:
-    return TestClient(_app(), raise_server_exceptions=False)
+def client(processor: InputProcessor) -> TestClient:
+    return TestClient(_app(processor), raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def processor(default_model_dir: Path) -> InputProcessor:
+    """The request processor over the default model's real tokenizer, with a small context."""
+    return InputProcessor(Tokenizer.from_dir(default_model_dir), {}, lambda: MAX_MODEL_LEN)
 
 
 USER = [{"role": "user", "content": "hi"}]
@@ -239,16 +248,17 @@ def test_cross_field_rules(client: TestClient) -> None:
     assert_error(chat(client, stop=""), 400, "stop")
 
 
-def test_context_length(client: TestClient) -> None:
+def test_context_length(client: TestClient, processor: InputProcessor) -> None:
     r = chat(client, max_tokens=MAX_MODEL_LEN - PROMPT_LEN + 1)
     assert_error(r, 400, "max_tokens")
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert_error(chat(client, max_completion_tokens=1000), 400, "max_completion_tokens")
-    with pytest.raises(APIError) as exc:
-        ChatCompletionRequest(model="m", messages=USER).to_sampling_params(MAX_MODEL_LEN, MAX_MODEL_LEN)
+    with pytest.raises(PromptError) as exc:
+        processor.check_prompt([1] * MAX_MODEL_LEN, "messages")
     assert exc.value.param == "messages" and exc.value.code == "context_length_exceeded"
-    with pytest.raises(APIError) as exc:
-        CompletionRequest(model="m", prompt="x").to_sampling_params(MAX_MODEL_LEN, MAX_MODEL_LEN - 3)
+    with pytest.raises(PromptError) as exc:
+        request = CompletionRequest(model="m", prompt="x")
+        processor.fit(request.to_sampling_params(), MAX_MODEL_LEN - 3, request.param_names)
     assert exc.value.param == "max_tokens"  # the default 16 does not fit
 
 
@@ -369,11 +379,11 @@ def test_chat_maps_every_field(client: TestClient) -> None:
 
 def test_chat_logprobs_mapping() -> None:
     base = {"model": "m", "messages": USER}
-    sp = ChatCompletionRequest(**base, logprobs=True).to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN)
+    sp = ChatCompletionRequest(**base, logprobs=True).to_sampling_params()
     assert sp.logprobs == 0
-    sp = ChatCompletionRequest(**base, logprobs=False).to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN)
+    sp = ChatCompletionRequest(**base, logprobs=False).to_sampling_params()
     assert sp.logprobs is None
-    sp = ChatCompletionRequest(**base, logit_bias={"42": 1}).to_sampling_params(MAX_MODEL_LEN, PROMPT_LEN)
+    sp = ChatCompletionRequest(**base, logit_bias={"42": 1}).to_sampling_params()
     assert sp.logit_bias == {42: 1.0}
     req = ChatCompletionRequest(**base, stream=True, stream_options={"include_usage": True})
     assert req.stream_include_usage and not req.stream_continuous_usage

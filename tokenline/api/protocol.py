@@ -36,7 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tokenline.edge.errors import APIError
+from tokenline.gateway.errors import APIError
 from tokenline.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 __all__ = [
@@ -309,37 +309,14 @@ class _GenerationRequest(_Request):
             bias[int(key)] = value
         return bias
 
-    def _sampling_params(
-        self,
-        *,
-        max_tokens: int | None,
-        max_tokens_param: str,
-        logprobs: int | None,
-        logprobs_param: str,
-        max_model_len: int,
-        prompt_len: int,
-        prompt_param: str,
-    ) -> SamplingParams:
-        # The caller runs check() first (with what this server supports); it is not repeated here.
-        room = max_model_len - prompt_len
-        if room < 1:
-            raise APIError.bad_request(
-                f"This model's maximum context length is {max_model_len} tokens, but the {prompt_param} "
-                f"take {prompt_len} tokens, leaving no room for a completion. Please shorten the {prompt_param}.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            # Refuse, as OpenAI does, rather than silently return a shorter answer than asked for.
-            raise APIError.bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {prompt_param} or of the completion.",
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
+    @property
+    def param_names(self) -> dict[str, str]:
+        """This request's names for SamplingParams' fields, where they differ (for error messages)."""
+        raise NotImplementedError
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Map onto SamplingParams; the request processor then fits ``max_tokens`` to the context
+        (unset: up to the context). The caller runs check() first (with what this server supports)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -364,8 +341,7 @@ class _GenerationRequest(_Request):
             )
         except SamplingParamsError as e:
             # SamplingParams names its own fields; report the request's name for them.
-            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(e.param, e.param)
-            raise APIError.bad_request(str(e), param=param) from e
+            raise APIError.bad_request(str(e), param=self.param_names.get(e.param, e.param)) from e
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -442,23 +418,22 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError.bad_request("tool_choice needs tools", param="tool_choice")
 
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        """Map onto the engine's SamplingParams; raises `APIError` (400) naming the offending field.
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-        Without max_tokens the completion may fill the context (`max_model_len - prompt_len`).
-        """
-        if self.max_completion_tokens is not None:
-            max_tokens, max_tokens_param = self.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, max_tokens_param = self.max_tokens, "max_tokens"
+    @property
+    def param_names(self) -> dict[str, str]:
+        """This request's names for SamplingParams' fields, for error messages."""
+        max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"}
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Map onto the engine's SamplingParams; raises `APIError` (400) naming the offending field."""
         return self._sampling_params(
-            max_tokens=max_tokens,
-            max_tokens_param=max_tokens_param,
+            max_tokens=self.requested_max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            logprobs_param="top_logprobs",
-            max_model_len=max_model_len,
-            prompt_len=prompt_len,
-            prompt_param="messages",
         )
 
 
@@ -503,17 +478,17 @@ class CompletionRequest(_GenerationRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        """Map onto the engine's SamplingParams for one prompt of the batch; raises `APIError` (400)."""
-        return self._sampling_params(
-            max_tokens=self.max_tokens,
-            max_tokens_param="max_tokens",
-            logprobs=self.logprobs,
-            logprobs_param="logprobs",
-            max_model_len=max_model_len,
-            prompt_len=prompt_len,
-            prompt_param="prompt",
-        )
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def param_names(self) -> dict[str, str]:
+        return {}  # the same names as SamplingParams
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Map onto the engine's SamplingParams (shared by every prompt of the batch); raises `APIError` (400)."""
+        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
 class TokenizeRequest(_Request):

@@ -1,0 +1,86 @@
+"""The request processor on the default model's real tokenizer: one prompt check, parameters fitted
+to the context, the ``n`` fan-out, and the output side (text, stop strings, usage)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenline.engine.messages import EngineOutput, FinishReason, TokenLogprobs
+from tokenline.frontend.processor import InputProcessor, PromptError
+from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.sampling_params import SamplingParams
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def processor(default_model_dir: Path) -> InputProcessor:
+    return InputProcessor(Tokenizer.from_dir(default_model_dir), {"temperature": 0.2}, lambda: CONTEXT)
+
+
+def test_one_prompt_check_with_one_message(processor: InputProcessor) -> None:
+    with pytest.raises(PromptError, match="empty") as exc:
+        processor.check_prompt([], "prompt")
+    assert exc.value.param == "prompt"
+    with pytest.raises(PromptError, match="out of range") as exc:
+        processor.check_prompt([1, processor.tokenizer.vocab_size], "messages")
+    assert exc.value.param == "messages"
+    with pytest.raises(PromptError, match="maximum context length is 64") as exc:
+        processor.check_prompt([1] * CONTEXT, "messages")
+    assert exc.value.code == "context_length_exceeded"
+    processor.check_prompt([1] * (CONTEXT - 1), "messages")  # room for one token
+
+
+def test_max_tokens_fitted_to_the_context(processor: InputProcessor) -> None:
+    assert processor.fit(SamplingParams(max_tokens=None), 10).max_tokens == CONTEXT - 10
+    assert processor.fit(SamplingParams(max_tokens=54), 10).max_tokens == 54
+    with pytest.raises(PromptError) as exc:
+        processor.fit(SamplingParams(max_tokens=55), 10, {"max_tokens": "max_completion_tokens"})
+    assert exc.value.param == "max_completion_tokens" and exc.value.code == "context_length_exceeded"
+    # Filling max_tokens can break min_tokens: reported under the caller's name.
+    with pytest.raises(PromptError) as exc:
+        processor.fit(SamplingParams(max_tokens=None, min_tokens=60), 10)
+    assert exc.value.param == "min_tokens"
+    with pytest.raises(PromptError) as exc:
+        processor.fit(SamplingParams(stop_token_ids=[10**9]), 10)
+    assert exc.value.param == "stop_token_ids"
+    with pytest.raises(PromptError) as exc:
+        processor.fit(SamplingParams(logit_bias={10**9: 1.0}), 10)
+    assert exc.value.param == "logit_bias"
+    # resolve = fit + the model's generation config for what the caller left unset.
+    resolved = processor.resolve(SamplingParams(max_tokens=4), 10)
+    assert resolved.temperature == 0.2 and resolved.max_tokens == 4
+
+
+def test_fan_out_makes_one_engine_request_per_prompt_and_choice(processor: InputProcessor) -> None:
+    params = SamplingParams(n=2, seed=7, max_tokens=3)
+    state = processor.fan_out("cmpl-x", [[1, 2, 3], [4, 5]], params, priority=3, client_request_id="rid")
+    assert state.request_ids == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2", "cmpl-x-3"]
+    assert [r.prompt_token_ids for r in state.engine_requests] == [[1, 2, 3], [1, 2, 3], [4, 5], [4, 5]]
+    assert [r.sampling.seed for r in state.engine_requests] == [7, 8, 7, 8]
+    assert all(r.sampling.n == 1 and r.priority == 3 and r.client_request_id == "rid" for r in state.engine_requests)
+    assert [s.prompt_index for s in state.in_order()] == [0, 0, 1, 1]
+
+
+def test_output_side_text_stop_strings_and_usage(processor: InputProcessor) -> None:
+    tokenizer = processor.tokenizer
+    ids = tokenizer.encode(" one two three four", add_special_tokens=False)
+    state = processor.fan_out("g", [[1, 2, 3]], SamplingParams(n=2, max_tokens=10, stop=[" three"]))
+    first, second = state.request_ids
+    logprobs = [TokenLogprobs(-0.5) for _ in ids]
+    # A speculative step brings every token at once: the text and the ids end at the stop string.
+    update = state.absorb(EngineOutput(first, list(ids), logprobs, num_output_tokens=len(ids), num_cached_tokens=2), 1.0)
+    assert update.text == " one two" and update.abort and update.seq.finish_reason == "stop"
+    assert len(update.seq.token_ids) == len(update.logprobs) == update.num_new_tokens < len(ids)
+    assert update.seq.stop_reason == " three" and not state.finished
+    assert state.running_in_engine() == [first, second]
+    # The engine's final word after the abort: billed, not shown.
+    state.absorb_final(EngineOutput(first, [], finish_reason=FinishReason.ABORT, num_output_tokens=len(ids)))
+    assert state.running_in_engine() == [second]
+    late = state.absorb(EngineOutput(second, ids[:1], finish_reason=FinishReason.LENGTH, num_output_tokens=1), 2.0)
+    assert late.text == " one" and late.seq.finish_reason == "length" and not late.abort
+    assert state.finished
+    usage = state.usage()
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (3, 2, len(ids) + 1)

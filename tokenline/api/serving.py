@@ -1,0 +1,520 @@
+"""Chat and text completions over HTTP: the OpenAI protocol mapped onto the request processor.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests (the processor's fan-out) whose
+outputs share one collector. This module only maps: requests to the processor's inputs, its
+updates to OpenAI responses or SSE chunks. Keys, limits, metrics and the receipt are the
+gateway's; text, stops and usage the processor's. Whatever ends the HTTP request early — a
+disconnect, a timeout, a stop string, an error — aborts the engine requests still running, so no
+KV block outlives its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenline.api.protocol import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    TokenizeRequest,
+    ToolCallItem,
+    UsageInfo,
+    random_id,
+)
+from tokenline.engine.client import EngineClient, EngineDeadError, EngineRequestError, OutputCollector
+from tokenline.engine.messages import TokenLogprobs
+from tokenline.frontend.chat_output import forced_tool_call_prefix
+from tokenline.frontend.processor import InputProcessor
+from tokenline.frontend.request_state import RequestState, SequenceState, SequenceUpdate
+from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.gateway.errors import APIError
+from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
+from tokenline.sampling_params import SamplingParams
+
+
+@dataclass
+class _Generation:
+    """Everything one HTTP request has in flight."""
+
+    state: RequestState
+    created: int
+    collector: OutputCollector
+    ctx: RequestContext
+
+    @property
+    def response_id(self) -> str:
+        return self.state.group_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
+    def usage(self) -> UsageInfo:
+        usage = self.state.usage()
+        return UsageInfo.of(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: EngineClient,
+        processor: InputProcessor,
+        gateway: Gateway,
+        served_model_name: str,
+        request_timeout: float | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        self.client = client
+        self.processor = processor
+        self.tokenizer: Tokenizer = processor.tokenizer
+        self.gateway = gateway
+        self.served_model_name = served_model_name
+        self.request_timeout = request_timeout
+        self.tool_call_parser = tool_call_parser
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def drain(self, timeout: float = 15.0) -> None:
+        """Let receipts still being written in the background finish (at shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
+    # --- shared checks -------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError.not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    @property
+    def max_model_len(self) -> int:
+        info = self.client.info
+        if info is None:
+            raise APIError.unavailable("the model is still loading; retry shortly")
+        return info.max_model_len
+
+    def ensure_ready(self) -> None:
+        if not self.client.alive:
+            if self.client.error:
+                raise APIError.server_error(f"the engine is not available: {self.client.error}")
+            raise APIError.unavailable("the engine is not running")
+        if self.client.info is None:
+            raise APIError.unavailable("the model is still loading; retry shortly")
+
+    def render_chat(
+        self, request: ChatCompletionRequest | TokenizeRequest, ctx: RequestContext | None = None, suffix: str = ""
+    ) -> list[int]:
+        """The request's messages through the model's chat template, tokenized (trace stamped)."""
+        tools = getattr(request, "tools", None)
+        if getattr(request, "tool_choice", None) == "none":
+            tools = None  # the model is not to call tools: do not offer them
+        text = self.processor.render_chat_text(
+            request.template_messages(),
+            tools=tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+        if ctx is not None:
+            ctx.trace.mark("rendered")
+        ids = self.processor.encode_rendered(text + suffix)
+        if ctx is not None:
+            ctx.trace.mark("tokenized")
+        return ids
+
+    def _params(self, request: ChatCompletionRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
+        return self.processor.resolve(request.to_sampling_params(), prompt_len, request.param_names)
+
+    # --- starting and consuming a generation ---------------------------------------------------
+
+    async def _start(
+        self,
+        ctx: RequestContext,
+        prefix: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int,
+        chat_parser: Callable[..., Any] | None = None,
+    ) -> _Generation:
+        # Tokens are charged before any expensive work: the prompt plus the completion reserved.
+        reserved = (params.max_tokens or 0) * params.n * len(prompts)
+        await self.gateway.reserve(ctx, sum(len(p) for p in prompts), reserved)
+        state = self.processor.fan_out(
+            random_id(prefix), prompts, params, priority=priority, client_request_id=ctx.request_id,
+            chat_parser=chat_parser,
+        )
+        ctx.name_response(state.group_id, state.request_ids)
+        try:
+            collector = self.client.add(state.engine_requests)
+        except EngineDeadError as exc:
+            await self.gateway.release(ctx)
+            raise APIError.server_error(f"the engine is not available: {exc}") from exc
+        ctx.trace.mark("queued")
+        return _Generation(state, int(time.time()), collector, ctx)
+
+    async def _updates(self, gen: _Generation) -> AsyncIterator[list[SequenceUpdate]]:
+        """Yield, per batch of engine outputs, one update per sequence that changed.
+
+        On a normal end the receipt (usage ledger, metrics, rate-limit settlement, trace) is
+        written before this returns, so a client that saw the end of its response is billed
+        durably. Any other end — disconnect, timeout, error — aborts what still runs and writes
+        the receipt in the background once the engine reports the tokens actually produced.
+        """
+        status = "failed"
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                while not gen.state.finished:
+                    try:
+                        outputs = await gen.collector.get()
+                    except EngineRequestError as exc:
+                        raise APIError.invalid_request(exc) from exc
+                    except EngineDeadError as exc:
+                        raise APIError.server_error(f"the engine failed while generating: {exc}") from exc
+                    updates = [self._absorb(gen, output) for output in outputs]
+                    if updates:
+                        yield updates
+            status = "finished"
+        except TimeoutError as exc:
+            status = "timed_out"
+            raise APIError.timeout(f"the request did not finish within {self.request_timeout:g} s") from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"  # the client went away
+            raise
+        finally:
+            if status != "finished":
+                self.client.abort(gen.state.running_in_engine())
+                task = asyncio.get_running_loop().create_task(self._settle(gen, status))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        await self._settle(gen, status)
+
+    def _absorb(self, gen: _Generation, output: Any) -> SequenceUpdate:
+        now = time.monotonic()
+        seq = gen.state.sequences[output.request_id]
+        previous = seq.last_output_at
+        update = gen.state.absorb(output, now)
+        if update.num_new_tokens:
+            if previous is None:
+                self.gateway.first_token(gen.ctx, now)
+            else:
+                self.gateway.inter_token(gen.ctx, now, now - previous)
+        if update.abort:
+            self.client.abort([seq.request_id])  # a stop string ended it: free the engine now
+        return update
+
+    async def _settle(self, gen: _Generation, status: str) -> None:
+        """Write the request's receipt once the engine has said its last word on every sequence."""
+        state = gen.state
+        self.client.abort(state.running_in_engine())  # sequences a stop string ended may still run
+        try:
+            async with asyncio.timeout(10.0):
+                while not gen.collector.finished:
+                    for output in await gen.collector.get():
+                        state.absorb_final(output)
+        except (TimeoutError, EngineDeadError, EngineRequestError):
+            pass  # the engine is gone or silent: bill what we saw
+        self.client.forget(gen.collector)
+        sequences = []
+        for seq in state.in_order():
+            final = seq.engine_final
+            reason = seq.finish_reason or (final.finish_reason.value if final and final.finish_reason else "abort")
+            if status in ("cancelled", "timed_out"):
+                reason = "abort"
+            sequences.append(
+                SequenceReceipt(
+                    seq.request_id, len(state.prompts[seq.prompt_index]), seq.num_produced, reason,
+                    final.timings if final is not None else None,
+                )
+            )
+        usage = state.usage()
+        receipt = Receipt(
+            model=self.served_model_name,
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+            finish_reason=next((s.finish_reason for s in state.in_order() if s.finish_reason), None),
+            sequences=sequences,
+        )
+        if self.gateway.log_prompts:  # user text is untrusted and private: logged only when asked
+            receipt.prompts = [self.tokenizer.decode(p, skip_special_tokens=False) for p in state.prompts]
+            receipt.completions = [s.stream.text for s in state.in_order()]
+        await self.gateway.settle(gen.ctx, receipt)
+
+    # --- chat ----------------------------------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
+        request.check(tools_enabled=self.tool_call_parser is not None)  # before any tokenizing work
+        self.ensure_ready()
+        self.check_model(request.model)
+        use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
+        # Without a grammar engine, "required" and a named function are enforced by starting the
+        # answer inside a tool call: the model can only go on with a name or with the arguments.
+        forced = forced_tool_call_prefix(request.tool_choice) if use_tools else ""
+        prompt_ids = self.render_chat(request, ctx, suffix=forced)
+        self.processor.check_prompt(prompt_ids, "messages")
+        params = self._params(request, len(prompt_ids))
+        gen = await self._start(
+            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools, forced)
+        )
+        if request.stream:
+            return _sse(self._chat_stream(gen, request))
+        return await _until_disconnect(self._chat_full(gen), raw)
+
+    async def _chat_full(self, gen: _Generation) -> Response:
+        async for _ in self._updates(gen):
+            pass
+        want_logprobs = gen.params.logprobs is not None
+        choices = []
+        for c in gen.state.in_order():
+            message, finish_reason = AssistantMessage(content=c.stream.text), c.finish_reason
+            if c.chat_output is not None:
+                parsed = c.chat_output.parse_all(c.stream.text)
+                message = AssistantMessage(
+                    content=parsed.content if parsed.content or not parsed.tool_calls else None,
+                    reasoning_content=parsed.reasoning,
+                    reasoning=parsed.reasoning,
+                    tool_calls=[
+                        ToolCallItem(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments_json))
+                        for t in parsed.tool_calls
+                    ]
+                    or None,
+                )
+                if parsed.tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want_logprobs else None,
+                    finish_reason=finish_reason,
+                )
+            )
+        response = ChatCompletionResponse(
+            id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices, usage=gen.usage()
+        )
+        return JSONResponse(response.model_dump())
+
+    def _chat_stream(self, gen: _Generation, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        want_logprobs = gen.params.logprobs is not None
+        sent_role: set[int] = set()  # choices whose first chunk (the role) went out
+
+        def entries(choice: SequenceState, delta: str, logprobs: list[TokenLogprobs]) -> list[ChatCompletionChunkChoice]:
+            out = []
+            if choice.index not in sent_role:
+                sent_role.add(choice.index)
+                out.append(ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content="")))
+            if not (delta or choice.finished or (want_logprobs and logprobs)):
+                return out
+            message = DeltaMessage(content=delta) if delta else DeltaMessage()
+            finish_reason = choice.finish_reason
+            if choice.chat_output is not None:
+                message, finish_reason = _shaped_delta(choice, delta)
+            entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
+            if want_logprobs:
+                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+                entry.logprobs = self._chat_logprobs(ids, logprobs)
+            return [*out, entry]
+
+        return self._stream(gen, request, ChatCompletionChunk, entries)
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            top = [
+                ChatTopLogprob(token=self._token_text(i), logprob=value, bytes=list(self.tokenizer.token_bytes(i)))
+                for i, value in entry.top
+            ]
+            content.append(
+                ChatLogprobToken(
+                    token=self._token_text(token_id),
+                    logprob=entry.logprob,
+                    bytes=list(self.tokenizer.token_bytes(token_id)),
+                    top_logprobs=top,
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    # --- completions ---------------------------------------------------------------------------
+
+    async def completion(self, request: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
+        request.check()
+        self.ensure_ready()
+        self.check_model(request.model)
+        ctx.trace.mark("rendered")  # nothing to render for a text completion
+        prompts = [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in request.prompts()]
+        ctx.trace.mark("tokenized")
+        for prompt_ids in prompts:
+            self.processor.check_prompt(prompt_ids, "prompt")
+        # Every prompt of a batch shares the parameters; the longest one decides the context check.
+        params = self._params(request, max(len(p) for p in prompts))
+        gen = await self._start(ctx, "cmpl", prompts, params, request.priority)
+        if request.stream:
+            return _sse(self._completion_stream(gen, request))
+        return await _until_disconnect(self._completion_full(gen), raw)
+
+    async def _completion_full(self, gen: _Generation) -> Response:
+        async for _ in self._updates(gen):
+            pass
+        want_logprobs = gen.params.logprobs is not None
+        response = CompletionResponse(
+            id=gen.response_id,
+            created=gen.created,
+            model=self.served_model_name,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.stream.text,
+                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_logprobs else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in gen.state.in_order()
+            ],
+            usage=gen.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _completion_stream(self, gen: _Generation, request: CompletionRequest) -> AsyncIterator[str]:
+        want_logprobs = gen.params.logprobs is not None
+        text_offset: dict[int, int] = {}  # characters already streamed per choice (logprobs.text_offset)
+
+        def entries(choice: SequenceState, delta: str, logprobs: list[TokenLogprobs]) -> list[CompletionChoice]:
+            if not (delta or choice.finished or (want_logprobs and logprobs)):
+                return []
+            entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
+            offset = text_offset.get(choice.index, 0)
+            if want_logprobs:
+                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+                entry.logprobs = self._completion_logprobs(ids, logprobs, offset)
+            text_offset[choice.index] = offset + len(delta)
+            return [entry]
+
+        return self._stream(gen, request, CompletionChunk, entries)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, logprobs):
+            token = self._token_text(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append({self._token_text(i): v for i, v in entry.top})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    # --- small helpers -------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        gen: _Generation,
+        request: ChatCompletionRequest | CompletionRequest,
+        chunk_type: type[ChatCompletionChunk] | type[CompletionChunk],
+        entries: Callable[[SequenceState, str, list[TokenLogprobs]], list[Any]],
+    ) -> AsyncIterator[str]:
+        """The SSE frame both APIs share: one chunk per choice entry, the usage chunk, [DONE];
+        an error after the headers went out becomes an error event."""
+        include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
+
+        def event(choices: list[Any], usage: UsageInfo | None) -> str:
+            body = chunk_type(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
+            if include_usage:
+                body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
+            return f"data: {body.model_dump_json()}\n\n"
+
+        try:
+            async for updates in self._updates(gen):
+                for update in updates:
+                    for entry in entries(update.seq, update.text, update.logprobs):
+                        yield event([entry], gen.usage() if continuous else None)
+            if include_usage:
+                yield event([], gen.usage())
+        except APIError as exc:
+            yield _sse_event(exc.to_dict())
+        yield "data: [DONE]\n\n"
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _shaped_delta(choice: SequenceState, delta: str) -> tuple[DeltaMessage, str | None]:
+    """Split a chat choice's text delta into reasoning, content and tool-call pieces."""
+    shaper = choice.chat_output
+    assert shaper is not None
+    piece = shaper.feed(delta)
+    if choice.finished:
+        piece = piece.merged(shaper.finish())
+    calls = [
+        DeltaToolCall(
+            index=t.index,
+            id=t.id,
+            type="function" if t.id else None,
+            function=DeltaFunctionCall(name=t.name, arguments=t.arguments),
+        )
+        for t in piece.tool_calls
+    ]
+    message = DeltaMessage(
+        content=piece.content or None,
+        reasoning_content=piece.reasoning or None,
+        reasoning=piece.reasoning or None,
+        tool_calls=calls or None,
+    )
+    finish_reason = choice.finish_reason
+    if finish_reason == "stop" and shaper.made_tool_calls:
+        finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+def _sse_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _until_disconnect(work: Awaitable[Response], raw: Request) -> Response:
+    """Run a non-streaming handler, but cancel it (aborting its engine requests) if the client
+    hangs up first: nobody would read the answer, and its KV blocks are wanted elsewhere."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
+        pass
+    return Response(status_code=499)
+

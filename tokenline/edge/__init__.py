@@ -1,1 +1,0 @@
-"""HTTP edge: OpenAI-compatible API, protocol models, errors, auth, limits and streaming."""

@@ -1,0 +1,116 @@
+"""The ``EngineClient`` of an engine running in a child process of this one (the server's default).
+
+The engine process is spawned (never forked) and talks to us over two pipes; two threads move
+messages so that a blocking pipe never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import queue
+import threading
+from pathlib import Path
+
+from tokenline.engine.client import EngineClient
+from tokenline.engine.config import EngineConfig
+from tokenline.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    EngineRequest,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+)
+
+class EngineProcessClient(EngineClient):
+    def __init__(self, config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self._outbox: queue.Queue[object] = queue.Queue()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the engine process; returns at once (the model loads in the background)."""
+        from tokenline.engine.core_process import run_engine_process
+
+        self._loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
+        from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=run_engine_process,
+            args=(self.config, str(self.model_dir), self.vocab_size, to_engine_r, from_engine_w),
+            name="tokenline-engine",
+            daemon=True,
+        )
+        self._process.start()
+        # Close our copies of the child's ends so that its death shows up as EOF here.
+        to_engine_r.close()
+        from_engine_w.close()
+        threading.Thread(target=self._read, args=(from_engine_r,), name="engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, args=(to_engine_w,), name="engine-writer", daemon=True).start()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self._process is None:
+            return
+        self._stopping = True
+        self._outbox.put(Shutdown())
+        self._outbox.put(None)
+        process = self._process
+        await asyncio.to_thread(process.join, timeout)
+        if process.is_alive():
+            process.terminate()
+            await asyncio.to_thread(process.join, 5.0)
+        self._process = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # --- the transport -------------------------------------------------------------------------
+
+    def _submit(self, request: EngineRequest) -> None:
+        self._outbox.put(AddRequest(request))
+
+    def _cancel(self, request_id: str) -> None:
+        self._outbox.put(AbortRequest(request_id))
+
+    def _transport_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def _write(self, conn: object) -> None:
+        # Pipe writes can block while the engine is mid-step; never let that stall the event loop.
+        while (message := self._outbox.get()) is not None:
+            try:
+                conn.send(message)  # type: ignore[attr-defined]
+            except (BrokenPipeError, OSError):
+                return
+
+    def _read(self, conn: object) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                message = conn.recv()  # type: ignore[attr-defined]
+            except (EOFError, OSError):
+                loop.call_soon_threadsafe(self._on_dead, "the engine process exited unexpectedly")
+                return
+            loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, StepOutputs):
+            self._deliver(message)
+        elif isinstance(message, EngineReady):
+            self._set_ready(message)
+        elif isinstance(message, RequestFailed):
+            self._reject(message.request_id, message.param, message.message)
+        elif isinstance(message, EngineFailed):
+            self._on_dead(message.error)

@@ -1,0 +1,199 @@
+"""The request processor's input side: prompt in, engine requests out. Used by the server and the
+offline ``LLM`` alike, so both render, tokenize, check limits and fan out ``n`` the same way.
+
+Text stops here: the engine receives token ids and resolved ``SamplingParams`` only. Every check
+of a prompt against the model happens here, once, with one message per problem; the engine keeps
+only a last-resort guard for callers that skip the processor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tokenline.engine.messages import EngineRequest
+from tokenline.frontend.chat_output import ChatOutputParser
+from tokenline.frontend.chat_template import ChatTemplateError
+from tokenline.frontend.request_state import RequestState, SequenceState
+from tokenline.frontend.text_stream import TextStream
+from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.sampling_params import SamplingParams, SamplingParamsError
+
+
+class PromptError(ValueError):
+    """A request the model cannot serve as given; ``param`` names the field to blame."""
+
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        generation_config: Mapping[str, Any],
+        max_model_len: Callable[[], int],
+        reasoning: bool = False,
+    ) -> None:
+        """``max_model_len`` is asked when needed: a server learns it once its engine is ready.
+        ``reasoning``: the model's answers start with a thought (a reasoning parser is on)."""
+        self.tokenizer = tokenizer
+        self.generation_config = dict(generation_config)
+        self._max_model_len = max_model_len
+        self.reasoning = reasoning
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len()
+
+    # --- prompts -------------------------------------------------------------------------------
+
+    def render_chat_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation rendered with the model's own chat template (special tokens as text)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise PromptError("messages", f"the chat template rejected the messages: {exc}") from exc
+        except ValueError as exc:
+            raise PromptError("messages", str(exc)) from exc
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of rendered chat text: the template already wrote any BOS it wants."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """A text prompt tokenized, or a token-id prompt as a list (checked by ``check_prompt``)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return list(prompt)
+
+    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+        """The one check of a prompt against the model: not empty, ids in the vocabulary, room for
+        at least one generated token in the context."""
+        if not prompt_ids:
+            raise PromptError(param, "the prompt is empty")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(param, f"prompt token ids must be in [0, {vocab}); out of range: {bad[:5]}")
+        max_model_len = self.max_model_len
+        if len(prompt_ids) >= max_model_len:
+            raise PromptError(
+                param,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{len(prompt_ids)} tokens. Please reduce the length of the prompt.",
+                code="context_length_exceeded",
+            )
+
+    # --- parameters ----------------------------------------------------------------------------
+
+    def resolve(
+        self, params: SamplingParams, prompt_len: int, param_names: Mapping[str, str] | None = None
+    ) -> SamplingParams:
+        """Parameters as the engine will run them: fitted to the model (``fit``), then unset fields
+        from the model's generation config."""
+        return self.fit(params, prompt_len, param_names).with_defaults(self.generation_config)
+
+    def fit(self, params: SamplingParams, prompt_len: int, param_names: Mapping[str, str] | None = None) -> SamplingParams:
+        """``max_tokens`` fitted to the context (unset: fill it; too large: refuse, as OpenAI does,
+        rather than answer shorter than asked) and token ids checked against the vocabulary.
+        ``param_names`` maps SamplingParams' field names to the caller's (e.g. max_completion_tokens)."""
+        names = dict(param_names or {})
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            params = self._replace(params, names, max_tokens=room)
+        elif params.max_tokens > room:
+            raise PromptError(
+                names.get("max_tokens", "max_tokens"),
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or of the completion.",
+                code="context_length_exceeded",
+            )
+        vocab = self.tokenizer.vocab_size
+        if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
+            raise PromptError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise PromptError("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
+        return params
+
+    @staticmethod
+    def _replace(params: SamplingParams, names: Mapping[str, str], **changes: Any) -> SamplingParams:
+        try:
+            return dataclasses.replace(params, **changes)
+        except SamplingParamsError as exc:
+            raise PromptError(names.get(exc.param, exc.param), str(exc)) from exc
+
+    # --- fan-out -------------------------------------------------------------------------------
+
+    def fan_out(
+        self,
+        group_id: str,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        client_request_id: str | None = None,
+        chat_parser: Callable[[Sequence[int]], ChatOutputParser | None] | None = None,
+    ) -> RequestState:
+        """One engine request per prompt and per ``n``: ``{group_id}-{index}``. Each is generated on
+        its own (the prefix cache shares the prompt's blocks); seeded children get distinct seeds."""
+        sequences: dict[str, SequenceState] = {}
+        requests: list[EngineRequest] = []
+        for prompt_index, prompt_ids in enumerate(prompts):
+            for j in range(params.n):
+                index = prompt_index * params.n + j
+                child = params.for_child(j)
+                request_id = f"{group_id}-{index}"
+                sequences[request_id] = SequenceState(
+                    index=index,
+                    request_id=request_id,
+                    prompt_index=prompt_index,
+                    stream=TextStream(self.tokenizer, child, prompt_ids),
+                    chat_output=chat_parser(prompt_ids) if chat_parser is not None else None,
+                )
+                requests.append(
+                    EngineRequest(
+                        request_id, list(prompt_ids), child, priority=priority, client_request_id=client_request_id
+                    )
+                )
+        return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)
+
+    def chat_parser(self, tools: bool, prefix: str = "") -> Callable[[Sequence[int]], ChatOutputParser | None]:
+        """A factory of per-choice reasoning / tool-call parsers for chat answers to a prompt."""
+
+        def make(prompt_ids: Sequence[int]) -> ChatOutputParser | None:
+            if not (self.reasoning or tools):
+                return None
+            return ChatOutputParser(
+                reasoning=self.reasoning,
+                starts_in_reasoning=self.starts_in_reasoning(prompt_ids),
+                tools=tools,
+                prefix=prefix,
+            )
+
+        return make
+
+    def starts_in_reasoning(self, prompt_ids: Sequence[int]) -> bool:
+        """The answer starts inside reasoning when the prompt's last turn opened <think> without
+        closing it (a template that opens it, or continue_final_message inside a thought)."""
+        tail = self.tokenizer.decode(list(prompt_ids[-256:]), skip_special_tokens=False)
+        tail = tail[tail.rfind("<|im_start|>") + 1 :]
+        return tail.rfind("<think>") > tail.rfind("</think>")

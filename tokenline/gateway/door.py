@@ -1,0 +1,158 @@
+"""The door: the first code every HTTP request meets, before any handler runs.
+
+Pure ASGI (so streaming and disconnect detection pass through untouched): it stamps arrival,
+assigns the request id, refuses oversized bodies before reading them, authenticates the API key,
+and adds the request id (and any rate-limit headers) to every response — a 401 or 413 included.
+It knows nothing about models or engines, so a router with no local engine uses it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenline.gateway.errors import APIError
+from tokenline.gateway.keys import KeyStore
+from tokenline.gateway.metrics import ServerMetrics
+from tokenline.gateway.rate_limit import RateLimiter
+
+access_logger = logging.getLogger("tokenline.access")
+
+_REQUEST_ID_OK = re.compile(r"[^A-Za-z0-9._:\-]")
+
+
+def sanitize_request_id(value: str | None) -> str:
+    """Keep a caller's X-Request-Id if it is printable and short; otherwise assign one."""
+    if value:
+        cleaned = _REQUEST_ID_OK.sub("", value)[:128]
+        if cleaned:
+            return cleaned
+    return uuid.uuid4().hex
+
+
+class Door:
+    """The door, as pure ASGI (so streaming and disconnect detection pass through untouched):
+    stamps arrival, assigns the request id, refuses oversized bodies before reading them, and
+    adds the id (and any rate-limit headers the handler left) to every response."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_request_bytes: int,
+        keys: KeyStore | None,
+        limiter: RateLimiter | None,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.keys = keys
+        self.limiter = limiter
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["arrived"] = time.monotonic()
+        headers = dict(scope.get("headers") or [])
+        raw = headers.get(b"x-request-id")
+        request_id = sanitize_request_id(raw.decode("latin-1") if raw else None)
+        state["request_id"] = request_id
+        state["extra_headers"] = {}
+        path = scope.get("path", "")
+
+        def log_access() -> None:
+            # Our access log (uvicorn's is off): every line names the request id and, once a
+            # handler made one, the response id (chatcmpl-…) that the ledger and trace also hold.
+            access_logger.info(
+                "%s %s %s request_id=%s response_id=%s %.1fms", scope.get("method"), path, state.get("status", "-"),
+                request_id, state.get("response_id", "-"), (time.monotonic() - state["arrived"]) * 1000,
+            )
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                own = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                present = {name.lower() for name, _ in own}
+                # A handler's own value wins (a 429's x-ratelimit-* are fresher than the door's peek).
+                extra = [(k.encode(), v.encode()) for k, v in state["extra_headers"].items() if k.encode() not in present]
+                message["headers"] = [*own, *extra]
+            await send(message)
+
+        async def refuse(error: APIError, reason: str) -> None:
+            self.metrics.rejected.labels(reason).inc()
+            await error.to_response()(scope, receive, send_with_headers)
+            log_access()
+
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
+            return
+        state["tenant"] = None
+        if self.keys is not None and (path.startswith("/v1") or path.startswith("/admin")):
+            tenant = self.keys.authenticate(_bearer_token(headers.get(b"authorization")))  # constant time
+            if tenant is None:
+                await refuse(APIError.unauthorized("Incorrect or missing API key."), "unauthorized")
+                return
+            state["tenant"] = tenant
+            if self.limiter is not None:
+                try:
+                    limits = await self.limiter.headers(tenant)  # as OpenAI: on every response of a limited key
+                except APIError as exc:  # the shared limit store is unreachable: refuse, never run unlimited
+                    await refuse(exc, "rate_limiter_unavailable")
+                    return
+                if limits is not None:
+                    state["extra_headers"].update(limits.as_dict())
+        state["authenticated"] = time.monotonic()
+        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # A chunked body declares no length: read it here, up to the limit, before any handler.
+            body = await self._read_bounded(receive)
+            if body is None:
+                await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
+                return
+            receive = _replay(body, receive)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            log_access()
+
+    async def _read_bounded(self, receive: Receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks)  # disconnected: the handler will find out
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> str:
+        return f"the request body exceeds the limit of {self.max_request_bytes} bytes"
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that hands over an already read body, then the client's own messages."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _bearer_token(header: bytes | None) -> str | None:
+    given = header.decode("latin-1") if header else ""
+    return given[7:].strip() if given.lower().startswith("bearer ") else None

@@ -1,0 +1,220 @@
+"""The gateway's verbs for one request: admit it, reserve its tokens, observe it, write its receipt.
+
+Everything here is policy and bookkeeping — keys, limits, the ledger, metrics, traces — and none
+of it needs an engine: a server with its own engine and a router in front of many use the same
+``Gateway``. The HTTP layer calls, in order: ``open`` (trace + model access), ``check_limits``,
+``reserve`` (rate limits charge prompt + reserved completion), then ``first_token`` /
+``inter_token`` as outputs arrive, and ``settle`` once with the ``Receipt``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenline.engine.messages import RequestTimings
+from tokenline.gateway.errors import APIError
+from tokenline.gateway.keys import KeyStore, Tenant
+from tokenline.gateway.ledger import UsageLedger, UsageRecord
+from tokenline.gateway.metrics import ServerMetrics
+from tokenline.gateway.rate_limit import RateLimiter, Reservation
+from tokenline.gateway.trace import RequestTrace, TraceStore
+
+logger = logging.getLogger("tokenline.gateway")
+
+
+@dataclass
+class GatewayLimits:
+    """Limits checked before any expensive work (the byte limit is the door's)."""
+
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 1024
+    max_tokens_cap: int | None = None  # largest max_tokens a request may ask for
+
+
+@dataclass
+class RequestContext:
+    """What the gateway knows about one HTTP request; the ids here join trace, ledger and logs."""
+
+    request_id: str  # the caller's X-Request-Id (sanitized) or one we assigned
+    trace: RequestTrace
+    tenant: Tenant | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, sent by the door
+    reservation: Reservation | None = None
+    scope_state: dict[str, Any] = field(default_factory=dict)  # the door's per-request state
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant.name if self.tenant is not None else "anonymous"
+
+    @property
+    def arrival(self) -> float:
+        return self.trace.stamps["arrived"]
+
+    def name_response(self, response_id: str, engine_request_ids: list[str]) -> None:
+        """Record the ids the request got downstream, so every record of it can be joined."""
+        self.trace.response_id = response_id
+        self.trace.engine_request_ids = list(engine_request_ids)
+        self.scope_state["response_id"] = response_id  # the door's access-log line names it
+
+
+@dataclass
+class SequenceReceipt:
+    """One engine request (one of ``n`` choices) as it ended."""
+
+    engine_request_id: str
+    prompt_tokens: int
+    completion_tokens: int  # tokens the engine actually produced: what is billed
+    finish_reason: str
+    timings: RequestTimings | None = None
+
+
+@dataclass
+class Receipt:
+    """What one HTTP request used, written once when it ends for any reason."""
+
+    model: str
+    status: str  # one of gateway.ledger.STATUSES
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    sequences: list[SequenceReceipt]
+    prompts: list[str] | None = None  # the texts, only when the operator asked to log prompts
+    completions: list[str] | None = None
+
+
+class Gateway:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        keys: KeyStore | None = None,
+        limiter: RateLimiter | None = None,
+        ledger: UsageLedger | None = None,
+        traces: TraceStore | None = None,
+        limits: GatewayLimits | None = None,
+        log_prompts: bool = False,
+    ) -> None:
+        self.metrics = metrics
+        self.keys = keys
+        self.limiter = limiter
+        self.ledger = ledger
+        self.traces = traces or TraceStore()
+        self.limits = limits or GatewayLimits()
+        self.log_prompts = log_prompts  # user text is untrusted and private: logged only when asked
+
+    # --- admission -----------------------------------------------------------------------------
+
+    def open(self, state: dict[str, Any], model: str | None) -> RequestContext:
+        """Start the trace of a request the door let in, and check that its tenant may use ``model``."""
+        trace = RequestTrace(state["request_id"], model=model)
+        trace.mark("arrived", state["arrived"])
+        trace.mark("authenticated", state["authenticated"])
+        tenant: Tenant | None = state.get("tenant")
+        if tenant is not None:
+            trace.tenant = tenant.name
+            if model is not None and not self.allows_model(tenant, model):
+                self.metrics.rejected.labels("model_not_allowed").inc()
+                raise APIError.not_found(
+                    f"The model `{model}` does not exist or you do not have access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
+        self.traces.add(trace)
+        return RequestContext(state["request_id"], trace, tenant, state["extra_headers"], scope_state=state)
+
+    def allows_model(self, tenant: Tenant | None, model: str) -> bool:
+        return tenant is None or self.keys is None or self.keys.allows_model(tenant, model)
+
+    def check_limits(self, messages: int, max_tokens: int | None, param: str) -> None:
+        limits = self.limits
+        if messages > limits.max_messages:
+            self.metrics.rejected.labels("too_many_messages").inc()
+            raise APIError.bad_request(
+                f"{messages} messages exceed this server's limit of {limits.max_messages}", param="messages"
+            )
+        if limits.max_tokens_cap is not None and max_tokens is not None and max_tokens > limits.max_tokens_cap:
+            self.metrics.rejected.labels("max_tokens_cap").inc()
+            raise APIError.bad_request(
+                f"{param} is {max_tokens}; this server allows at most {limits.max_tokens_cap}", param=param
+            )
+
+    async def reserve(self, ctx: RequestContext, prompt_tokens: int, completion_tokens: int) -> None:
+        """Charge the tenant's token limits before any expensive work: the prompt plus the
+        completion reserved (settled to the tokens really produced in ``settle``)."""
+        ctx.trace.prompt_tokens = prompt_tokens
+        if self.limiter is None or ctx.tenant is None:
+            return
+        try:
+            ctx.reservation = await self.limiter.acquire(ctx.tenant, prompt_tokens, completion_tokens)
+        except APIError as exc:
+            self.metrics.rejected.labels("rate_limited").inc()
+            self.metrics.rate_limited.labels(ctx.tenant.name, exc.code or "rate_limit").inc()
+            raise
+        if ctx.reservation.headers is not None:
+            ctx.response_headers.update(ctx.reservation.headers.as_dict())
+
+    async def release(self, ctx: RequestContext) -> None:
+        """The request never reached an engine: give its reservation back whole."""
+        if ctx.reservation is not None and self.limiter is not None:
+            await self.limiter.settle(ctx.reservation, 0)
+            ctx.reservation = None
+
+    # --- observation ---------------------------------------------------------------------------
+
+    def first_token(self, ctx: RequestContext, at: float) -> None:
+        if "first_token" not in ctx.trace.stamps:
+            ctx.trace.mark("first_token", at)
+            self.metrics.first_token(at - ctx.arrival)
+
+    def inter_token(self, ctx: RequestContext, at: float, seconds: float) -> None:
+        self.metrics.inter_token(seconds)
+        ctx.trace.stamps["last_token"] = at
+
+    # --- the receipt ---------------------------------------------------------------------------
+
+    async def settle(self, ctx: RequestContext, receipt: Receipt) -> None:
+        """Count the request once everywhere: metrics, trace, rate-limit settlement, the durable
+        ledger row (awaited: a response ends only after its row is committed), the log line."""
+        now = time.monotonic()
+        trace = ctx.trace
+        trace.mark("finished", now)
+        for seq in receipt.sequences:
+            timings = seq.timings
+            if timings is not None:
+                if timings.first_scheduled is not None:
+                    trace.mark("first_scheduled", timings.first_scheduled)
+                trace.num_steps = max(trace.num_steps, timings.num_steps)
+                trace.num_shared_steps = max(trace.num_shared_steps, timings.num_shared_steps)
+            self.metrics.finished(seq.prompt_tokens, seq.completion_tokens, seq.finish_reason, timings, ctx.arrival, now)
+        trace.status = receipt.status
+        trace.completion_tokens = receipt.completion_tokens
+        if ctx.reservation is not None and self.limiter is not None:
+            await self.limiter.settle(ctx.reservation, receipt.completion_tokens)
+            ctx.reservation = None
+        if self.ledger is not None:
+            record = UsageRecord(
+                request_id=ctx.request_id,
+                response_id=trace.response_id,
+                tenant=ctx.tenant_name,
+                model=receipt.model,
+                status=receipt.status,
+                finish_reason=receipt.finish_reason,
+                prompt_tokens=receipt.prompt_tokens,
+                cached_tokens=receipt.cached_tokens,
+                completion_tokens=receipt.completion_tokens,
+                created_at=trace.wall_arrival,
+                queue_s=trace.since_arrival("first_scheduled"),
+                ttft_s=trace.since_arrival("first_token"),
+                e2e_s=now - ctx.arrival,
+            )
+            await self.ledger.record(record)
+            self.metrics.spend.labels(ctx.tenant_name, receipt.model).inc(record.cost_usd or 0.0)
+        line: dict[str, Any] = {"event": "request_finished", **trace.to_dict()}
+        if self.log_prompts and receipt.prompts is not None:
+            line["prompts"] = receipt.prompts
+            line["completions"] = receipt.completions
+        logger.info("request %s", json.dumps(line, ensure_ascii=False))
