@@ -169,7 +169,7 @@ def test_rotary_bf16_is_bit_identical_to_the_reference(tokens: int) -> None:
     generator = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(torch.bfloat16)
     positions = torch.randint(0, 4000, (tokens,), generator=generator)
-    cos_sin = RotaryEmbedding(head_dim, 4096, 100000.0).lookup(positions, torch.bfloat16)
+    cos_sin = RotaryEmbedding(head_dim, 100000.0).lookup(positions, torch.bfloat16)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     want_q, want_k = apply_rotary(q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim), cos_sin)
     rotated = qkv.clone()

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from tests.model.test_qwen3_5 import BLOCK_SIZE, Seq, Step
-from tokenline.model import config as config_module
 from tokenline.model.config import ModelConfig
-from tokenline.model.loader import iter_safetensors
 from tokenline.model.qwen3 import Qwen3ForCausalLM
 from tokenline.model.random_models import make_qwen3_tiny
+from tokenline.model.weights import iter_safetensors
 
 NUM_BLOCKS = 128
 
@@ -25,20 +24,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_prefill_and_decode_match_reference(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_and_decode_match_reference(model_dir: Path) -> None:
     from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
-    # Until ModelConfig lists Qwen3 itself: its fields are all Llama's.
-    supported = (*config_module.SUPPORTED_ARCHITECTURES, "Qwen3ForCausalLM")
-    monkeypatch.setattr(config_module, "SUPPORTED_ARCHITECTURES", supported)
     config = ModelConfig.from_dir(model_dir)
     model = Qwen3ForCausalLM(config)
     model.load_weights(iter_safetensors(model_dir))
     model.eval()
     reference: Any = HFQwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    caches = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
+    caches = model.make_caches(NUM_BLOCKS, BLOCK_SIZE, 0, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     a = Seq(torch.randint(0, config.vocab_size, (21 + 3,), generator=gen).tolist(), slot=0)
     b = Seq(torch.randint(0, config.vocab_size, (8 + 3,), generator=gen).tolist(), slot=1)

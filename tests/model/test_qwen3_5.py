@@ -8,10 +8,8 @@ request. The reference is always HF's full-sequence forward over the same tokens
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,10 +17,11 @@ import torch
 
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
 from tokenline.model.config import ModelConfig
-from tokenline.model.loader import iter_safetensors
-from tokenline.model.qwen3_5 import Qwen3_5ForCausalLM, gated_delta_rule_chunked, gated_delta_rule_recurrent
-from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
+from tokenline.model.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from tokenline.model.qwen3_5 import Qwen3_5ForCausalLM
 from tokenline.model.random_models import QWEN3_5_VOCAB_SIZE, make_qwen3_5_tiny
+from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
+from tokenline.model.weights import iter_safetensors
 from tokenline.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4  # small, so that every sequence spans several blocks
@@ -48,15 +47,7 @@ def reference(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def model(model_dir: Path) -> Qwen3_5ForCausalLM:
-    raw = json.loads((model_dir / "config.json").read_text())
-    try:
-        config = ModelConfig.from_dir(model_dir)
-    except ValueError:
-        config = None
-    if config is None or not hasattr(config, "raw"):
-        # Until ModelConfig knows Qwen3.5 and carries `raw`: the model reads nothing else from it.
-        config = SimpleNamespace(raw=raw)
-    ours = Qwen3_5ForCausalLM(config)  # type: ignore[arg-type]
+    ours = Qwen3_5ForCausalLM(ModelConfig.from_dir(model_dir))
     ours.load_weights(iter_safetensors(model_dir))
     return ours.to(torch.float32).eval()
 
@@ -110,9 +101,7 @@ class Step:
                 decode_state_slots.append(seq.slot)
             else:
                 table = torch.tensor(seq.blocks[: -(-end // BLOCK_SIZE)], dtype=torch.long)
-                span = PrefillSpan(rows[i].start, n, end, table)
-                span.state_slot = seq.slot  # type: ignore[attr-defined]  # field the lead adds
-                prefills.append(span)
+                prefills.append(PrefillSpan(rows[i].start, n, end, table, seq.slot))
             seq.computed = end
 
         meta = AttentionMetadata(
@@ -120,13 +109,12 @@ class Step:
             num_decode_tokens=len(decode_tables),
             prefills=prefills,
         )
-        meta.decode_state_slots = None  # type: ignore[attr-defined]
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
             lens = torch.tensor(decode_lens)
             meta.decode_mask = (torch.arange(width * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
-            meta.decode_state_slots = torch.tensor(decode_state_slots, dtype=torch.long)  # type: ignore[attr-defined]
+            meta.decode_state_slots = torch.tensor(decode_state_slots, dtype=torch.long)
         with torch.inference_mode():
             hidden = model(torch.tensor(token_ids), torch.tensor(positions), caches, meta)
             logits = model.compute_logits(hidden)
@@ -148,8 +136,10 @@ def test_caches_layout(model: Qwen3_5ForCausalLM) -> None:
     assert conv.shape == (NUM_SLOTS, 2 * 2 * 32 + 4 * 32, 3)
     assert recurrent.shape == (NUM_SLOTS, 4, 32, 32) and recurrent.dtype == torch.float32
     assert caches[3].shape == (2, NUM_BLOCKS, BLOCK_SIZE, 2, 32)
-    assert model.state_bytes_per_slot(4) == 3 * (conv[0].numel() * 4 + recurrent[0].numel() * 4)
-    assert model.kv_bytes_per_token(2) == 2 * 2 * 32 * 2
+    # The sizes the memory budget is planned with are the tensors' own.
+    config = model.config
+    assert model.state_bytes_per_sequence(config, 4) == 3 * (conv[0].nbytes + recurrent[0].nbytes)
+    assert model.kv_bytes_per_token(config, 4) == caches[3][:, 0, 0].nbytes
 
 
 def test_prefill_then_batched_decode(model: Qwen3_5ForCausalLM, reference: Any) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from tokenline.bench.serve import percentile
 from tokenline.bench.throughput import synthetic_prompts
 from tokenline.model.config import ModelConfig
+from tokenline.model.registry import model_class
 
 if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore
@@ -149,7 +150,7 @@ def decode_cost(
         context_len=context_len,
         weight_bytes=params.total * weight_dtype_size,
         kv_bytes=batch_size * context_len * config.kv_bytes_per_token(kv_dtype_size),
-        state_bytes=batch_size * config.state_bytes_per_sequence(kv_dtype_size),
+        state_bytes=batch_size * model_class(config.architecture).state_bytes_per_sequence(config, kv_dtype_size),
         flops_per_token=2 * params.total + attention_flops,
     )
 

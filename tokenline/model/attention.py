@@ -41,6 +41,20 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One layer's paged KV tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+
+    The torch decode path reads padded rows of unused slots, where garbage could be NaN, so it needs
+    zeros; the C kernel reads only written slots, so its pool stays untouched (not resident) until
+    sequences fill it.
+    """
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    reads_only_written = torch.device(device).type == "cpu" and cpu_kernels.load() is not None
+    return (torch.empty if reads_only_written else torch.zeros)(shape, dtype=dtype, device=device)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

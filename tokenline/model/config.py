@@ -1,4 +1,8 @@
-"""The model's shape, read from an HF-format ``config.json`` (and ``generation_config.json``)."""
+"""The model's shape, read from an HF-format ``config.json`` (and ``generation_config.json``).
+
+Only fields every decoder has live here; a model reads its own extra keys from ``raw`` (see its
+class in the registry). No torch: the API process reads configs too.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3_5ForCausalLM", "Qwen3ForCausalLM")
-# Multimodal checkpoints of the same families serve their text decoder.
-_TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+from tokenline.model import registry
 
 
 @dataclass
@@ -32,7 +34,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
     layer_types: list[str] = field(default_factory=list)  # "full_attention" / "linear_attention" per layer
-    raw: dict[str, Any] = field(default_factory=dict)  # the whole (text) config, for model-specific fields
+    raw: dict[str, Any] = field(default_factory=dict)  # the whole (text) config, for model-specific keys
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -40,14 +42,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], model_dir: Path | None = None) -> ModelConfig:
-        architectures = [_TEXT_ARCHITECTURES.get(a, a) for a in raw.get("architectures") or []]
-        if "text_config" in raw:  # a multimodal config: the decoder's settings live here
-            raw = {**raw["text_config"], "architectures": architectures}
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        architectures = list(raw.get("architectures") or [])
+        raw = text_config(raw)
+        architecture = registry.resolve_architecture(architectures)
         if architecture is None:
             raise ValueError(
                 f"{model_dir or 'config'}: architecture {architectures or raw.get('model_type')} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(registry.supported_architectures())})"
             )
         generation_path = model_dir / "generation_config.json" if model_dir is not None else None
         generation = json.loads(generation_path.read_text()) if generation_path and generation_path.exists() else {}
@@ -76,7 +77,7 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             generation_config=generation,
-            layer_types=list(raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]),
+            layer_types=list(raw.get("layer_types") or _default_layer_types(raw)),
             raw=raw,
         )
 
@@ -103,14 +104,26 @@ class ModelConfig:
         """Bytes of K and V one token occupies: only full-attention layers store any."""
         return 2 * self.num_full_attention_layers * self.num_key_value_heads * self.head_dim * dtype_size
 
-    def state_bytes_per_sequence(self, dtype_size: int) -> int:
-        """Fixed-size recurrent state of one sequence across the linear-attention (Gated DeltaNet)
-        layers: the short-convolution window (activation dtype) plus the delta-rule state (float32)."""
-        if not self.is_hybrid:
-            return 0
-        r = self.raw
-        key_dim = r["linear_num_key_heads"] * r["linear_key_head_dim"]
-        value_dim = r["linear_num_value_heads"] * r["linear_value_head_dim"]
-        conv = (2 * key_dim + value_dim) * (r["linear_conv_kernel_dim"] - 1) * dtype_size
-        recurrent = r["linear_num_value_heads"] * r["linear_key_head_dim"] * r["linear_value_head_dim"] * 4
-        return self.num_linear_attention_layers * (conv + recurrent)
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config, whether config.json is the text model's or a multimodal one's.
+
+    In multimodal checkpoints the text fields sit under ``text_config``; top-level keys (such as
+    ``tie_word_embeddings``) still apply where the text config does not say otherwise.
+    """
+    nested = raw.get("text_config")
+    if not nested:
+        return raw
+    merged = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    merged.update(nested)
+    return merged
+
+
+def _default_layer_types(raw: dict[str, Any]) -> list[str]:
+    """Without ``layer_types``: every ``full_attention_interval``-th layer is full attention and the
+    others linear (how hybrid configs state it), or all full attention."""
+    interval = raw.get("full_attention_interval")
+    layers = raw["num_hidden_layers"]
+    if not interval:
+        return ["full_attention"] * layers
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]

@@ -1,4 +1,6 @@
-"""Decoder building blocks: RMSNorm, rotary position embedding, the SwiGLU MLP.
+"""The shared layer library every model is built from: RMSNorm and its variants, rotary position
+embedding (full or partial), linear layers (plain and merged), the SwiGLU MLP and softmax attention
+over the paged KV cache.
 
 The maths follows the HF reference operation for operation (same dtypes at the same points), so
 greedy outputs match it token for token.
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenline.model import cpu_kernels
+from tokenline.model.attention import AttentionMetadata, paged_attention
+from tokenline.model.config import ModelConfig
 
 # Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
 SMALL_BATCH_ROWS = 2
@@ -22,10 +26,17 @@ PACKED_BATCH_HINT = 32
 
 
 class RMSNorm(nn.Module):
+    """``w * norm(x)``: normalised in float32, cast back to the activation dtype, then scaled (Llama)."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32, whatever the activation dtype, as the reference does."""
+        x32 = x.float()
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -33,10 +44,25 @@ class RMSNorm(nn.Module):
             kernels = cpu_kernels.load()
             if kernels is not None:
                 return kernels.rms_norm_bf16(x, self.weight, self.eps)
-        # Normalise in float32 whatever the activation dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * self.normalise(x).to(dtype)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """``norm(x) * (1 + w)`` (w starts at 0), scaled in float32 *before* the cast back (Qwen3.5)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.normalise(x) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """``w * norm(x) * silu(gate)``: the plain norm, then the gate in float32 (the Gated DeltaNet's output norm)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -62,31 +88,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope scaling type {kind!r} is not supported")
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE (rotate-half layout) to query and key rows at given positions."""
+class RotaryEmbedding:
+    """cos and sin of RoPE (rotate-half layout) over the first ``rotary_dim`` dims of each head.
 
-    def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
-    ) -> None:
-        super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # One table of cos|sin per position, built once; each step only indexes it.
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+    Computed per step from the positions (once per step, shared by all layers) rather than looked
+    up in a table: the values are the same float32 products, nothing depends on the maximum model
+    length, and a model built on the meta device holds no buffer left to fill.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self.scaling = scaling
+        self._inv_freq: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for a step's positions, [T, 1, head_dim]; looked up once per step."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        """cos and sin for a step's positions, [T, 1, rotary_dim], computed in float32 then cast."""
+        cached = self._inv_freq.get(positions.device)
+        if cached is None:
+            inv_freq, scale = rope_inv_freq(self.rotary_dim, self.theta, self.scaling)
+            cached = self._inv_freq[positions.device] = (inv_freq.to(positions.device), scale)
+        inv_freq, scale = cached
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [T, heads, head_dim] and k [T, kv_heads, head_dim]."""
+    """RoPE on q [T, heads, head_dim] and k [T, kv_heads, head_dim]; with cos/sin narrower than a
+    head (partial rotary) only the first dims rotate and the rest pass through."""
     cos, sin = cos_sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :rotary_dim], k[..., :rotary_dim], cos_sin)
+        return torch.cat((q_rot, q[..., rotary_dim:]), dim=-1), torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -123,6 +163,20 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedLinear(Linear):
+    """Several projections of the same input in one matmul: the output rows are the shards' rows
+    one after the other (q|k|v, gate|up, ...). Checkpoints store each shard as its own tensor; the
+    weight loader writes shard ``i`` at :meth:`shard_offset` (see each model's
+    ``packed_modules_mapping``)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def shard_offset(self, shard: int) -> int:
+        return sum(self.output_sizes[:shard])
+
+
 def prepare_for_inference(model: nn.Module) -> None:
     """Give every ``Linear`` its fast path; call after the weights are loaded (and never train)."""
     for module in model.modules():
@@ -136,9 +190,71 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Softmax self-attention over the paged KV cache, for every model.
+
+    q, k and v come from one fused projection. Options cover the families we serve: a per-head
+    ``qk_norm`` before RoPE (Qwen3 plain, Qwen3.5 zero-centred), partial RoPE (cos/sin narrower
+    than a head) and an ``output_gate``, where q_proj yields [query | gate] per head and the output
+    is ``o_proj(attn * sigmoid(gate))`` (Qwen3.5).
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, qk_norm: type[RMSNorm] | None = None, output_gate: bool = False
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.output_gate = output_gate
+        # With the output gate, q_proj yields [query | gate] per head: twice the query width.
+        self.q_width = self.num_heads * self.head_dim * (2 if output_gate else 1)
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: one pass over the activations instead of three.
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_width, self.kv_size, self.kv_size], bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # Plain q|k|v rows with full rotary: the CPU kernel rotates q and k in place inside the
+        # fused projection, one pass and no temporaries. A norm or a gate between the projection
+        # and RoPE rules that out.
+        fused = self.q_norm is None and not self.output_gate and cos_sin[0].shape[-1] == self.head_dim
+        kernels = cpu_kernels.load() if fused and qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu" else None
+        if kernels is not None:
+            kernels.rotary_bf16_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *cos_sin)
+        q, k, v = qkv.split([self.q_width, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(num_tokens, -1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if kernels is None:
+            q, k = apply_rotary(q, k, cos_sin)
+        out = paged_attention(q, k, v, kv_cache, meta).flatten(1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

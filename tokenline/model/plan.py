@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenline.model.config import ModelConfig
+from tokenline.model.registry import model_class
 
 GIB = 1 << 30
 
@@ -43,8 +44,6 @@ class MemoryPlan:
 
 def count_parameters(config: ModelConfig) -> int:
     """Parameters of our implementation of the model (tied embeddings counted once)."""
-    from tokenline.model.loader import model_class
-
     with torch.device("meta"):
         model = model_class(config.architecture)(config)
     return sum(p.numel() for p in model.parameters())  # parameters() already skips tied duplicates
@@ -53,8 +52,9 @@ def count_parameters(config: ModelConfig) -> int:
 def plan_memory(config: ModelConfig, memory_gib: float, seq_len: int, dtype_size: int = 2) -> MemoryPlan:
     params = count_parameters(config)
     weight_bytes = params * dtype_size
-    kv_per_token = config.kv_bytes_per_token(dtype_size)
-    state = config.state_bytes_per_sequence(dtype_size)
+    cls = model_class(config.architecture)
+    kv_per_token = cls.kv_bytes_per_token(config, dtype_size)
+    state = cls.state_bytes_per_sequence(config, dtype_size)
     per_sequence = kv_per_token * seq_len + state
     budget = max(0, int(memory_gib * GIB) - weight_bytes)
     return MemoryPlan(params, weight_bytes, kv_per_token, state, seq_len, per_sequence, budget, budget // per_sequence)

@@ -32,17 +32,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_model_len = max_model_len or self.config.max_position_embeddings
-        self.model = load_model(model_dir, self.config, dtype, self.device, self.max_model_len)
+        self.model = load_model(model_dir, self.config, dtype, self.device)
         # The tokenizer may know fewer ids than the embedding has rows (padded vocabularies).
         self.sampler = Sampler(vocab_size or self.config.vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.config.kv_bytes_per_token(self.dtype.itemsize) * block_size
+        return type(self.model).kv_bytes_per_token(self.config, self.dtype.itemsize) * block_size
 
     def state_bytes_per_sequence(self) -> int:
-        return self.config.state_bytes_per_sequence(self.dtype.itemsize)
+        return type(self.model).state_bytes_per_sequence(self.config, self.dtype.itemsize)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
         """The paged KV pool (full-attention layers) and, for hybrid models, the state slots."""

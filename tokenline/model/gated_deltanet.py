@@ -1,0 +1,336 @@
+"""The Gated DeltaNet: linear attention with the gated delta rule (Qwen3.5's linear-attention layers).
+
+Its memory is a fixed-size state per sequence, kept in *state slots*: a short causal-conv window
+and a [heads, k_dim, v_dim] matrix. q, k, v come from one projection through a depthwise causal
+conv (kernel 4) + SiLU; q and k are L2-normalised (and q scaled by k_dim^-1/2); per head and token
+a decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and a write strength ``beta = sigmoid(b)``; the
+state update is ``S = exp(g) S + k (beta (v - (exp(g) S)^T k))^T`` and the output ``S^T q``. Value
+heads outnumber key heads; value head h reads key head ``h // (num_v / num_k)``. The output goes
+through a plain-weight RMSNorm over each value head, gated by ``silu(z)``. A prefill span continues
+from its slot's state when ``context_len - num_tokens > 0`` (chunked prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenline.model.attention import AttentionMetadata, PrefillSpan
+from tokenline.model.config import ModelConfig
+from tokenline.model.layers import GatedRMSNorm, Linear, MergedLinear
+
+CHUNK_SIZE = 64  # tokens per chunk of the chunked delta rule: matmul-sized, and the triangular solve stays small
+
+LinearState = tuple[torch.Tensor, torch.Tensor]  # (conv_state, recurrent_state) of one DeltaNet layer
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The sizes of one Gated DeltaNet layer, read from the config's ``linear_*`` keys."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    kernel: int  # the causal conv's width
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> DeltaNetShape:
+        raw = config.raw
+        shape = cls(
+            num_k_heads=raw["linear_num_key_heads"],
+            num_v_heads=raw["linear_num_value_heads"],
+            head_k_dim=raw["linear_key_head_dim"],
+            head_v_dim=raw["linear_value_head_dim"],
+            kernel=raw.get("linear_conv_kernel_dim", 4),
+        )
+        if shape.num_v_heads % shape.num_k_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        return shape
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, dtype_size: int) -> int:
+        """One slot: the conv window (activation dtype) plus the delta-rule state (float32)."""
+        return self.conv_dim * (self.kernel - 1) * dtype_size + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule; its per-sequence memory lives in state slots."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        shape = self.shape = DeltaNetShape.from_config(config)
+        self.num_k_heads, self.num_v_heads = shape.num_k_heads, shape.num_v_heads
+        self.head_k_dim, self.head_v_dim = shape.head_k_dim, shape.head_v_dim
+        self.kernel = shape.kernel
+        self.key_dim, self.value_dim, self.conv_dim = shape.key_dim, shape.value_dim, shape.conv_dim
+        # The four input projections (qkv, z, b, a) fused into one matmul.
+        self.split_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        self.in_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=False)
+        # Depthwise, no bias; only its weight is used (by F.conv1d over the slot's window).
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, config.hidden_size, bias=False)
+
+    def make_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> LinearState:
+        """Zeroed (conv window, recurrent state) slots. The recurrent state is float32 whatever the
+        model dtype: it accumulates over the whole sequence."""
+        conv = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
+        recurrent = torch.zeros(
+            num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32, device=device
+        )
+        return conv, recurrent
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, state: LinearState, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        beta = b.float().sigmoid()
+        # The decay in log space, in float32: exp(A_log) overflows float16 for large A.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+        core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            self._decode(mixed[:num_decode], g[:num_decode], beta[:num_decode], positions[:num_decode],
+                         state, meta.decode_state_slots, core[:num_decode])
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.num_tokens)
+            self._prefill(mixed[rows], g[rows], beta[rows], span, state, core[rows])
+
+        # The reference casts the rule's output to the model dtype before the gated norm.
+        out = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(out.flatten(1))
+
+    def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-conv activations [n, conv_dim] as q, k [n, num_k_heads, dk] and v [n, num_v_heads, dv]."""
+        n = conv_out.shape[0]
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (
+            q.reshape(n, self.num_k_heads, self.head_k_dim),
+            k.reshape(n, self.num_k_heads, self.head_k_dim),
+            v.reshape(n, self.num_v_heads, self.head_v_dim),
+        )
+
+    def _decode(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        positions: torch.Tensor,
+        state: LinearState,
+        slots: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """One token for each of D sequences: a conv step and a recurrent step, batched over sequences."""
+        if slots is None:
+            raise ValueError("decode tokens through a linear-attention layer need meta.decode_state_slots")
+        conv_state, recurrent_state = state
+        # A sequence at position 0 (a one-token prompt) starts from zero state, whatever its slot
+        # held for an earlier request: the slot's previous contents are never trusted.
+        fresh = (positions == 0)[:, None, None]
+        window = torch.cat([conv_state.index_select(0, slots).masked_fill(fresh, 0), mixed.unsqueeze(-1)], dim=-1)
+        conv_state.index_copy_(0, slots, window[:, :, 1:])
+        conv_out = F.silu(F.conv1d(window.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
+        q, k, v = self._split_qkv(conv_out.squeeze(-1).to(mixed.dtype))
+
+        initial = recurrent_state.index_select(0, slots).masked_fill(fresh.unsqueeze(-1), 0)
+        core, final = gated_delta_rule_recurrent(q, k, v, g, beta, initial)
+        recurrent_state.index_copy_(0, slots, final)
+        out.copy_(core)
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        span: PrefillSpan,
+        state: LinearState,
+        out: torch.Tensor,
+    ) -> None:
+        """A span of one sequence: causal conv and the chunked rule, continuing from its slot's state."""
+        conv_state, recurrent_state = state
+        slot = span.state_slot
+        continues = span.context_len > span.num_tokens  # earlier tokens are already folded into the slot
+        history = self.kernel - 1
+        if continues:
+            previous = conv_state[slot]
+        else:
+            previous = mixed.new_zeros(self.conv_dim, history)
+        sequence = torch.cat([previous, mixed.t()], dim=-1)  # [conv_dim, history + n]
+        conv_state[slot] = sequence[:, -history:]
+        conv_out = F.silu(F.conv1d(sequence.to(self.conv1d.weight.dtype).unsqueeze(0), self.conv1d.weight,
+                                   groups=self.conv_dim))
+        q, k, v = self._split_qkv(conv_out[0].t().to(mixed.dtype))
+
+        initial = recurrent_state[slot] if continues else None
+        core, final = gated_delta_rule_chunked(q, k, v, g, beta, initial)
+        recurrent_state[slot] = final
+        out.copy_(core)
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated delta rule. Inputs per token: q, k [n, Hk, dk] (raw: normalised here), v [n, Hv, dv],
+# g and beta [n, Hv] (float32); state [Hv, dk, dv] (one sequence) or [D, Hv, dk, dv] (decode).
+# All maths in float32. On CUDA with flash-linear-attention installed its kernels run instead.
+
+
+def _normalise_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalised q and k in float32 (q also scaled by dk^-1/2), repeated to one per value head."""
+    q, k = q.float(), k.float()
+    # rsqrt(sum + eps) rather than F.normalize: the epsilon sits where the reference (and fla) put it.
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+    groups = num_v_heads // q.shape[-2]
+    if groups > 1:
+        q = q.repeat_interleave(groups, dim=-2)
+        k = k.repeat_interleave(groups, dim=-2)
+    return q, k
+
+
+def gated_delta_rule_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step for D sequences: q, k [D, Hk, dk], v [D, Hv, dv], g, beta [D, Hv], state [D, Hv, dk, dv]."""
+    fla = _fla_kernels() if q.is_cuda else None
+    if fla is not None:
+        return _fla_recurrent(fla, q, k, v, g, beta, state)
+    q, k = _normalise_qk(q, k, v.shape[-2])
+    v = v.float()
+    state = state.float() * g.exp()[..., None, None]
+    # What the decayed state already predicts for k; only the correction is written (the delta rule).
+    predicted = torch.einsum("dhk,dhkv->dhv", k, state)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("dhk,dhkv->dhv", q, state), state
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over n tokens of one sequence, ``chunk_size`` tokens per matmul; returns (out [n, Hv, dv], state).
+
+    Within a chunk with state S0 at its start and cumulative log-decay c_t (inclusive), the writes
+    u_t = beta_t (v_t - exp(c_t) S0^T k_t - sum_{s<t} exp(c_t - c_s) (k_t . k_s) u_s) form a unit
+    lower-triangular system (I + A) U = beta V - (beta exp(c) K) S0, solved once per chunk; then
+    out = exp(c) Q S0 + (causal decayed Q K^T) U and S = exp(c_last) S0 + (exp(c_last - c) K)^T U.
+    """
+    fla = _fla_kernels() if q.is_cuda else None
+    if fla is not None:
+        return _fla_chunked(fla, q, k, v, g, beta, state)
+    num_tokens, num_heads, dv = v.shape
+    q, k = _normalise_qk(q, k, num_heads)
+    dk = k.shape[-1]
+    if state is None:
+        state = v.new_zeros(num_heads, dk, dv, dtype=torch.float32)
+    state = state.float()
+
+    # [n, H, d] -> [H, chunks, C, d]; the tail is padded with beta = 0, g = 0: padded tokens write
+    # nothing and do not decay, so the final state is the one after the last real token.
+    pad = (-num_tokens) % chunk_size
+    num_chunks = (num_tokens + pad) // chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x.float().transpose(0, 1), (0, 0, 0, pad) if x.dim() == 3 else (0, pad))
+        return x.reshape(num_heads, num_chunks, chunk_size, *x.shape[2:])
+
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    cum = g.cumsum(-1)  # [H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # decay[t, s] = exp(c_t - c_s) for s <= t; masked before exp so that s > t cannot overflow.
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower triangle is A
+    # unitriangular=True reads only the strict lower triangle and takes the diagonal as 1: I + A.
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+
+    out = torch.empty_like(v)
+    for i in range(num_chunks):
+        writes = values[:, i] - state_keys[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ writes
+        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ writes
+    out = out.reshape(num_heads, num_chunks * chunk_size, dv)[:, :num_tokens]
+    return out.transpose(0, 1), state
+
+
+@functools.cache
+def _fla_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:  # (chunk, recurrent)
+    """flash-linear-attention's (chunk, fused_recurrent) gated delta rule kernels, if installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _fla_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # fla takes one q/k head per value head here; it normalises and scales them itself.
+    groups = v.shape[-2] // q.shape[-2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+    return q, k
+
+
+FlaKernels = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+def _fla_chunked(
+    fla: FlaKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence through fla's chunked kernel (a batch of one)."""
+    q, k = _fla_inputs(q, k, v)
+    initial = None if state is None else state.float().unsqueeze(0)
+    out, final = fla[0](
+        q[None], k[None], v[None], g[None], beta[None],
+        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[0].float(), final[0]
+
+
+def _fla_recurrent(
+    fla: FlaKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """D decode tokens through fla's fused recurrent kernel, as D sequences of one token."""
+    q, k = _fla_inputs(q, k, v)
+    out, final = fla[1](
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+        initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[:, 0].float(), final
+
