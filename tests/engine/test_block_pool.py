@@ -43,7 +43,7 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     blocks = pool.allocate(3)
     hashes = [hash_block(None, [i]) for i in range(3)]
     for block_id, block_hash in zip(blocks, hashes):
-        pool.cache(block_id, block_hash)
+        pool.cache(block_id, block_hash, None, [0])
     pool.free([blocks[2]])
     pool.free([blocks[0]])
     pool.free([blocks[1]])

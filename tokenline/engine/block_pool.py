@@ -3,6 +3,11 @@
 A block is *free* when no request holds it (ref count 0). A free block may still carry cached KV
 for a token prefix: it stays findable by its hash until it is handed out again, oldest-freed
 first (LRU). Requests sharing a cached prefix share its blocks through the ref count.
+
+With ``enable_kv_cache_events`` the pool records, in vLLM's shape, every hash it makes findable
+(``BlockStored``), every hash it forgets on eviction (``BlockRemoved``) and every reset
+(``AllBlocksCleared``); the engine drains them with :meth:`BlockPool.take_events`. Replaying them
+yields exactly the keys of the pool's hash index. Torch-free: routers hash prompts with this module.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from tokenline.engine.kv_events import KVCacheEvent, KVEventRecorder
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -21,7 +28,9 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -32,6 +41,8 @@ class BlockPool:
         # of a cached block that a new request revives.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        # Off unless someone drains them: an undrained recorder would grow for ever.
+        self._events = KVEventRecorder() if enable_kv_cache_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,8 +94,19 @@ class BlockPool:
             if self.ref_counts[block_id] == 0:
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Make a block that now holds a full, computed prefix block findable by its hash."""
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes findable right now (what a consumer of the events must arrive at)."""
+        return set(self._cached)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call (none when events are off)."""
+        return self._events.take() if self._events is not None else []
+
+    def cache(self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
+        """Make a block that now holds a full, computed prefix block findable by its hash.
+
+        ``parent_hash`` and ``token_ids`` (the block's tokens) only feed the ``BlockStored`` event.
+        """
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
             return
         # If an identical block is already indexed (two requests computed the same prefix at
@@ -93,18 +115,24 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self._events is not None:
+            self._events.stored(block_hash, parent_hash, token_ids)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their data)."""
+        """Forget every cached prefix (blocks in use keep their data but are no longer findable)."""
         for block_hash, block_id in list(self._cached.items()):
             self.block_hash[block_id] = None
             del self._cached[block_hash]
+        if self._events is not None:
+            self._events.cleared()
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self._cached[block_hash]
             self.block_hash[block_id] = None
+            if self._events is not None:
+                self._events.removed(block_hash)
 
     def check_integrity(self, tables: Iterable[Sequence[int]]) -> None:
         """Raise if the pool's books disagree with the block tables that hold its blocks.

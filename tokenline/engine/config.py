@@ -31,6 +31,17 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # most draft tokens per request and step
     prompt_lookup_max: int = 4  # longest n-gram the proposer matches
     prompt_lookup_min: int = 2  # shortest
+    # KV cache events (vLLM's --kv-events-config): recorded by the block pool and sent with every
+    # StepOutputs; with an endpoint also published on a ZMQ PUB socket the engine binds, e.g.
+    # "tcp://127.0.0.1:5557", with an optional ROUTER socket that replays missed batches.
+    enable_kv_cache_events: bool = False
+    kv_events_endpoint: str | None = None  # implies enable_kv_cache_events
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+
+    @property
+    def kv_cache_events(self) -> bool:
+        return self.enable_kv_cache_events or self.kv_events_endpoint is not None
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -42,6 +53,8 @@ class EngineConfig:
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:
@@ -67,7 +80,9 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     budget = int(config.kv_cache_memory_gib * GIB) - num_state_slots * runner.state_bytes_per_sequence()
     num_blocks = config.num_kv_blocks or max(0, budget) // runner.kv_bytes_per_block(config.block_size)
     runner.allocate_kv_cache(num_blocks, config.block_size, num_state_slots)
-    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots)
+    kv_cache = KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, config.kv_cache_events
+    )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

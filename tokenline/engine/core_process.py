@@ -1,28 +1,38 @@
 """The engine core in its own process: the model loop never shares a GIL with HTTP.
 
 The process reads typed messages (add, abort, shutdown) from one pipe between steps and writes
-one ``StepOutputs`` per step to the other. When it has no work it blocks on its input, so an
-idle server costs no CPU.
+one ``StepOutputs`` per step to the other, with the step's record and KV cache events. When it
+has no work it blocks on its input, so an idle server costs no CPU.
+
+With ``EngineConfig.kv_events_endpoint`` the KV events also go out on a ZMQ PUB socket (one
+``EventBatch`` per step that had events) for routers in other processes.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenline.engine.config import EngineConfig, build_engine_core
 from tokenline.engine.engine_core import EngineCore, RequestRejected
+from tokenline.engine.kv_events import EventBatch
 from tokenline.engine.messages import (
     AbortRequest,
     AddRequest,
     EngineFailed,
     EngineReady,
     RequestFailed,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
 )
+
+if TYPE_CHECKING:
+    from tokenline.engine.kv_events_zmq import ZmqEventPublisher
 
 logger = logging.getLogger("tokenline.engine")
 
@@ -33,6 +43,7 @@ def run_engine_process(
     """Entry point of the engine process (started with the ``spawn`` method)."""
     try:
         core = build_engine_core(config, Path(model_dir), vocab_size)
+        publisher = _start_publisher(config)  # a port already taken fails the start, visibly
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the API process
         outbox.send(EngineFailed(f"engine failed to start: {exc!r}"))
         return
@@ -46,15 +57,28 @@ def run_engine_process(
         )
     )
     try:
-        _loop(core, inbox, outbox)
+        _loop(core, inbox, outbox, publisher)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the API process went away: nothing left to serve
     except Exception:  # noqa: BLE001
         outbox.send(EngineFailed(f"engine crashed:\n{traceback.format_exc()}"))
         raise
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
-def _loop(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
+def _start_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
+    if config.kv_events_endpoint is None:
+        return None
+    from tokenline.engine.kv_events_zmq import ZmqEventPublisher  # only its users import pyzmq
+
+    return ZmqEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic)
+
+
+def _loop(
+    core: EngineCore, inbox: Connection, outbox: Connection, publisher: ZmqEventPublisher | None = None
+) -> None:
     while True:
         # Block while idle; between steps take whatever has arrived without waiting.
         timeout = 0.0 if core.has_unfinished_requests() else None
@@ -72,10 +96,17 @@ def _loop(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
                 output = core.abort_request(message.request_id)
                 if output is not None:
                     aborted.append(output)
+            elif isinstance(message, ResetPrefixCache):
+                core.reset_prefix_cache()
             elif isinstance(message, Shutdown):
                 return
         outputs = aborted + core.step()
-        if outputs or aborted:
-            outbox.send(StepOutputs(outputs, core.stats()))
-        elif not core.has_unfinished_requests():
-            outbox.send(StepOutputs([], core.stats()))  # idle: publish the settled numbers
+        records = core.take_step_records()
+        events = core.take_kv_events()
+        if events and publisher is not None:
+            # Wall-clock ts, as vLLM sends: consumers compare batches across machines.
+            publisher.publish(EventBatch(time.time(), events))
+        # Send after every step that ran (a prefill chunk has no outputs but has a record), and
+        # once when idle to publish the settled numbers.
+        if outputs or records or events or not core.has_unfinished_requests():
+            outbox.send(StepOutputs(outputs, core.stats(), events, records))

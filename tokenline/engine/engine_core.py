@@ -2,18 +2,27 @@
 
 One ``EngineCore`` owns the scheduler, the KV cache books and a runner. It is synchronous and
 single-threaded; the offline ``LLM`` drives it directly and the server runs it in its own process.
+
+Besides its outputs, every step leaves a ``StepRecord`` and (when enabled) the KV cache events
+of the pool; callers drain them with ``take_step_records`` and ``take_kv_events``. All times come
+from one injectable clock, so a simulator can run this loop on simulated time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
 
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats, FinishReason
+from tokenline.engine.kv_events import KVCacheEvent
+from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats, FinishReason, StepRecord
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
-from tokenline.model.batch import Runner, SampledToken
+from tokenline.model.batch import Runner, SampledToken, ScheduledBatch
+
+MAX_STEP_RECORDS = 10_000  # kept for a caller that drains them rarely (or never): the newest win
 
 
 class RequestRejected(ValueError):
@@ -34,15 +43,18 @@ class EngineCore:
         device: str = "cpu",
         check_integrity_every_step: bool = False,
         proposer: NgramProposer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runner = runner
         self.kv_cache = kv_cache
-        self.scheduler = Scheduler(scheduler_config, kv_cache, proposer)
+        self.clock = clock
+        self.scheduler = Scheduler(scheduler_config, kv_cache, proposer, clock)
         self.max_model_len = scheduler_config.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
         self.check_integrity_every_step = check_integrity_every_step
         self.num_steps = 0
+        self._step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
 
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ``RequestRejected`` if it could never complete."""
@@ -82,17 +94,35 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
+        start = self.clock()
+        preemptions_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         if not batch:
             if not self.scheduler.has_unfinished():
                 self.scheduler.check_integrity()  # idle: cheap, catches any leak at once
             return []
+        record = self._start_record(batch, start)  # before update() moves the requests on
         sampled = self.runner.execute(batch)
         results = self.scheduler.update(batch, sampled)
         self.num_steps += 1
+        self._finish_record(record, self.scheduler.num_preemptions - preemptions_before)
         if self.check_integrity_every_step:
             self.scheduler.check_integrity()
         return [self._output(r.request, r.new_token_ids, r.token) for r in results if r.token is not None]
+
+    def take_step_records(self) -> list[StepRecord]:
+        """The records of the steps run since the last call (at most ``MAX_STEP_RECORDS``)."""
+        records = list(self._step_records)
+        self._step_records.clear()
+        return records
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV cache events since the last call, in order; empty unless the pool records them."""
+        return self.kv_cache.pool.take_events()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks); emits AllBlocksCleared."""
+        self.kv_cache.pool.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
@@ -111,6 +141,32 @@ class EngineCore:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
         )
+
+    def _start_record(self, batch: ScheduledBatch, start: float) -> StepRecord:
+        prefill = decode = drafts = 0
+        for seq in batch.seqs:
+            request = self.scheduler.requests[seq.request_id]
+            # Decoding: computing just the newest token, an output one (plus drafts beside it).
+            if seq.start_pos == request.num_tokens - 1 >= request.num_prompt_tokens:
+                decode += len(seq.token_ids)
+                drafts += len(seq.draft_token_ids)
+            else:
+                prefill += len(seq.token_ids)
+        return StepRecord(
+            step=self.num_steps, start=start, duration=0.0, num_prefill_tokens=prefill, num_decode_tokens=decode,
+            num_seqs=len(batch.seqs), num_running=0, num_waiting=0, num_kv_blocks_used=0,
+            num_kv_blocks=self.kv_cache.pool.num_blocks, num_state_slots=self.kv_cache.num_state_slots,
+            num_draft_tokens=drafts,
+        )
+
+    def _finish_record(self, record: StepRecord, num_preemptions: int) -> None:
+        record.duration = self.clock() - record.start
+        record.num_running = self.scheduler.num_running
+        record.num_waiting = self.scheduler.num_waiting
+        record.num_kv_blocks_used = self.kv_cache.pool.num_used_blocks
+        record.num_state_slots_used = self.kv_cache.num_state_slots_used
+        record.num_preemptions = num_preemptions
+        self._step_records.append(record)
 
     def _output(self, request: Request, new_token_ids: list[int], token: SampledToken | None) -> EngineOutput:
         finish: FinishReason | None = request.finish_reason

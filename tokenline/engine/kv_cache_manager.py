@@ -24,13 +24,18 @@ class KVCacheManager:
     running sequence (linear-attention layers keep a fixed-size state instead of per-token KV)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         # A cached KV prefix is useless to a hybrid model: its linear layers' state never saw those
         # tokens, and states are not snapshotted at block boundaries. So no prefix caching there.
         enable_prefix_caching = enable_prefix_caching and num_state_slots == 0
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_cache_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.num_state_slots = num_state_slots
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
@@ -47,6 +52,10 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    @property
+    def num_state_slots_used(self) -> int:
+        return len(self.state_slots)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens.
@@ -114,8 +123,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._hash_full_blocks(request)
+        hashes, size = request.block_hashes, self.block_size
         for index in range(start, num_full):
-            self.pool.cache(table[index], request.block_hashes[index])
+            parent = hashes[index - 1] if index else None
+            self.pool.cache(table[index], hashes[index], parent, request.token_ids[index * size : (index + 1) * size])
         self._num_indexed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenline.model.batch import TokenLogprobs  # defined beside the runner that produces it
 from tokenline.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenline.engine.kv_events import KVCacheEvent
 
 
 class FinishReason(str, enum.Enum):
@@ -83,6 +87,36 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
 
 
+@dataclass
+class StepRecord:
+    """What one engine step did, for live pages, logs and a simulator's step-time model.
+
+    Times come from the engine's clock (monotonic seconds, or simulated time). A *decode* token is
+    a sequence's newest output token (with any drafts verified beside it); every other computed
+    token — prompt chunks, and recomputation after a preemption — counts as *prefill*. Loads
+    (running, waiting, blocks, slots) are taken after the step.
+    """
+
+    step: int  # index of this step in the engine's life, from 0
+    start: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int  # sequences in the batch
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    num_state_slots_used: int = 0  # hybrid models: recurrent-state slots held
+    num_state_slots: int = 0
+    num_preemptions: int = 0  # requests preempted while forming this step's batch
+    num_draft_tokens: int = 0  # of the decode tokens, speculative drafts being verified
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
 # --- messages between the API process and the engine process --------------------------------
 
 
@@ -99,6 +133,12 @@ class AbortRequest:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class ResetPrefixCache:
+    """Drop every cached prefix (benchmarks, tests, a model swap); the engine reports
+    ``AllBlocksCleared``."""
 
 
 @dataclass
@@ -131,3 +171,8 @@ class RequestFailed:
 class StepOutputs:
     outputs: list[EngineOutput]
     stats: EngineStats
+    # What happened since the previous StepOutputs, in order: normally one step's record and KV
+    # events (a reset between steps adds its AllBlocksCleared). Events only when the engine records
+    # them (EngineConfig.enable_kv_cache_events or kv_events_endpoint).
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
+    step_records: list[StepRecord] = field(default_factory=list)

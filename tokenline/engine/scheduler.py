@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenline.engine.kv_cache_manager import KVCacheManager
@@ -52,10 +52,17 @@ class SpecDecodeStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: NgramProposer | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        proposer: NgramProposer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # Every timestamp the scheduler writes comes from here, so a simulator can drive this very
+        # scheduler on simulated time.
+        self.clock = clock
         # A hybrid model's recurrent state absorbs every computed token and cannot take back
         # rejected drafts, so it never speculates.
         self.proposer = proposer if kv_cache.num_state_slots == 0 else None
@@ -142,7 +149,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = time.monotonic()
+                request.timings.first_scheduled = self.clock()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = num_new
@@ -155,7 +162,7 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: dict[str, SampledToken]) -> list[StepResult]:
         """Advance each scheduled request by what the runner computed and sampled."""
         results = []
-        now = time.monotonic()
+        now = self.clock()
         shared = len(batch.seqs) > 1
         for seq in batch.seqs:
             request = self.requests.get(seq.request_id)
@@ -283,7 +290,7 @@ class Scheduler:
             self.proposer.forget(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.timings.finished = time.monotonic()
+        request.timings.finished = self.clock()
         del self.requests[request.request_id]
 
     def check_integrity(self) -> None:
