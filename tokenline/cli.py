@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from tokenline.engine.config import EngineConfig
+from tokenline.engine.config import EngineConfig, parse_kv_events_config
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="longest n-gram the ngram proposer matches")
     parser.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
                         help="shortest n-gram the ngram proposer matches")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+                             '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -50,6 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
+        **(parse_kv_events_config(args.kv_events_config) if getattr(args, "kv_events_config", None) else {}),
     )
 
 
@@ -356,7 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "kv_events_config", None):
+        try:  # a bad flag is a usage error, not a traceback
+            parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            parser.error(str(exc))
     return args.func(args)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenline.engine.ngram_proposer import check_ngram_settings
 
@@ -55,6 +56,33 @@ class EngineConfig:
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+
+
+def parse_kv_events_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config`` JSON (``{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": …, "topic": …}``) as EngineConfig fields."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError("--kv-events-config must be a JSON object")
+    known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"--kv-events-config: unknown keys {unknown} (known: {sorted(known)})")
+    publisher = raw.get("publisher", "zmq")
+    if publisher not in ("zmq", "null"):
+        raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {publisher!r}")
+    enabled = bool(raw.get("enable_kv_cache_events", False))
+    publish = enabled and publisher == "zmq"
+    endpoint = raw.get("endpoint", "tcp://127.0.0.1:5557") if publish else None
+    return {
+        "enable_kv_cache_events": enabled,
+        "kv_events_endpoint": endpoint,
+        "kv_events_replay_endpoint": raw.get("replay_endpoint") if publish else None,
+        "kv_events_topic": str(raw.get("topic", "")),
+    }
 
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:

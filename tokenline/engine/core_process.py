@@ -91,6 +91,8 @@ def _loop(
                     core.add_request(message.request)
                 except (RequestRejected, ValueError) as exc:
                     param = getattr(exc, "param", "prompt")
+                    logger.info("refused %s (request id %s): %s", message.request.request_id,
+                                message.request.client_request_id, exc)
                     outbox.send(RequestFailed(message.request.request_id, param, str(exc)))
             elif isinstance(message, AbortRequest):
                 output = core.abort_request(message.request_id)

@@ -34,6 +34,7 @@ class EngineRequest:
     sampling: SamplingParams  # resolved with the model's generation-config defaults
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first; ties go to the earlier arrival
+    client_request_id: str | None = None  # the caller's X-Request-Id: joins engine logs to the edge's
 
 
 @dataclass
