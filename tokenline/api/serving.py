@@ -45,9 +45,9 @@ from tokenline.api.protocol import (
     random_id,
 )
 from tokenline.engine.client import EngineClient, EngineDeadError, EngineRequestError, OutputCollector
-from tokenline.engine.messages import TokenLogprobs
+from tokenline.engine.messages import EngineOutput, TokenLogprobs
 from tokenline.frontend.chat_output import forced_tool_call_prefix
-from tokenline.frontend.processor import InputProcessor
+from tokenline.frontend.processor import ChatParserFactory, InputProcessor
 from tokenline.frontend.request_state import RequestState, SequenceState, SequenceUpdate
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.errors import APIError
@@ -155,7 +155,7 @@ class OpenAIServing:
         prompts: list[list[int]],
         params: SamplingParams,
         priority: int,
-        chat_parser: Callable[..., Any] | None = None,
+        chat_parser: ChatParserFactory | None = None,
     ) -> _Generation:
         # Tokens are charged before any expensive work: the prompt plus the completion reserved.
         reserved = (params.max_tokens or 0) * params.n * len(prompts)
@@ -209,7 +209,7 @@ class OpenAIServing:
                 task.add_done_callback(self._background.discard)
         await self._settle(gen, status)
 
-    def _absorb(self, gen: _Generation, output: Any) -> SequenceUpdate:
+    def _absorb(self, gen: _Generation, output: EngineOutput) -> SequenceUpdate:
         now = time.monotonic()
         seq = gen.state.sequences[output.request_id]
         previous = seq.last_output_at

@@ -21,6 +21,10 @@ from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
 
 
+# Makes the reasoning / tool-call parser of one choice, given its prompt's ids (None: plain text).
+ChatParserFactory = Callable[[Sequence[int]], ChatOutputParser | None]
+
+
 class PromptError(ValueError):
     """A request the model cannot serve as given; ``param`` names the field to blame."""
 
@@ -151,7 +155,7 @@ class InputProcessor:
         *,
         priority: int = 0,
         client_request_id: str | None = None,
-        chat_parser: Callable[[Sequence[int]], ChatOutputParser | None] | None = None,
+        chat_parser: ChatParserFactory | None = None,
     ) -> RequestState:
         """One engine request per prompt and per ``n``: ``{group_id}-{index}``. Each is generated on
         its own (the prefix cache shares the prompt's blocks); seeded children get distinct seeds."""
@@ -176,7 +180,7 @@ class InputProcessor:
                 )
         return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)
 
-    def chat_parser(self, tools: bool, prefix: str = "") -> Callable[[Sequence[int]], ChatOutputParser | None]:
+    def chat_parser(self, tools: bool, prefix: str = "") -> ChatParserFactory:
         """A factory of per-choice reasoning / tool-call parsers for chat answers to a prompt."""
 
         def make(prompt_ids: Sequence[int]) -> ChatOutputParser | None:
