@@ -114,6 +114,7 @@ class Step:
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
             lens = torch.tensor(decode_lens)
             meta.decode_mask = (torch.arange(width * BLOCK_SIZE)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_context_lens, meta.max_decode_context_len = lens, max(decode_lens)
             meta.decode_state_slots = torch.tensor(decode_state_slots, dtype=torch.long)
         with torch.inference_mode():
             hidden = model(torch.tensor(token_ids), torch.tensor(positions), caches, meta)

@@ -88,6 +88,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"rope scaling type {kind!r} is not supported")
 
 
+RotaryRows = tuple[torch.Tensor, torch.Tensor]  # cos and sin for a step's positions, [T, 1, rotary_dim]
+
+
 class RotaryEmbedding:
     """cos and sin of RoPE (rotate-half layout) over the first ``rotary_dim`` dims of each head.
 
@@ -102,8 +105,8 @@ class RotaryEmbedding:
         self.scaling = scaling
         self._inv_freq: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions, [T, 1, rotary_dim], computed in float32 then cast."""
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryRows:
+        """cos and sin for a step's positions, computed in float32 then cast."""
         cached = self._inv_freq.get(positions.device)
         if cached is None:
             inv_freq, scale = rope_inv_freq(self.rotary_dim, self.theta, self.scaling)
@@ -117,9 +120,7 @@ class RotaryEmbedding:
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: RotaryRows) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [T, heads, head_dim] and k [T, kv_heads, head_dim]; with cos/sin narrower than a
     head (partial rotary) only the first dims rotate and the rest pass through."""
     cos, sin = cos_sin
@@ -227,11 +228,7 @@ class Attention(nn.Module):
         self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, cos_sin: RotaryRows, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)

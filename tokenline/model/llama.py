@@ -14,7 +14,7 @@ from torch import nn
 from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import Cache, CausalLM
-from tokenline.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from tokenline.model.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryRows
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -26,11 +26,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, cos_sin: RotaryRows, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))

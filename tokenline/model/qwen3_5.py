@@ -27,7 +27,7 @@ from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import DeltaNetShape, GatedDeltaNet
 from tokenline.model.interface import Cache, CausalLM
-from tokenline.model.layers import Attention, GatedMLP, Linear, RotaryEmbedding, ZeroCenteredRMSNorm
+from tokenline.model.layers import Attention, GatedMLP, Linear, RotaryEmbedding, RotaryRows, ZeroCenteredRMSNorm
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -53,7 +53,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: RotaryRows,
         cache: Cache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:

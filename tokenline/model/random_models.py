@@ -9,7 +9,9 @@ configs are written; a caller that needs a tokenizer adds one (``frontend.qwen_v
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,8 +31,6 @@ def make_qwen3_5_tiny(out_dir: Path, seed: int = 0) -> None:
     """
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = Qwen3_5TextConfig(
         vocab_size=QWEN3_5_VOCAB_SIZE,
         hidden_size=128,
@@ -53,26 +53,15 @@ def make_qwen3_5_tiny(out_dir: Path, seed: int = 0) -> None:
         eos_token_id=QWEN3_5_IM_END_ID,
         pad_token_id=QWEN3_5_ENDOFTEXT_ID,
     )
-    torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config).to(torch.float32)
-    # HF initialises the (1 + weight) norms at zero and the gated norm at one, which would hide a
-    # wrong norm variant; a seeded perturbation makes every norm weight count in tests.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(out_dir, safe_serialization=True)
-
+    _save_random(lambda: Qwen3_5ForCausalLM(config), Path(out_dir), seed)
     generation = {"eos_token_id": QWEN3_5_IM_END_ID, "pad_token_id": QWEN3_5_ENDOFTEXT_ID}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
     """Write a 2-layer dense Qwen3 (GQA, explicit head_dim, q/k norms, tied embeddings), small vocabulary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = Qwen3Config(
         vocab_size=1024,
         hidden_size=128,
@@ -85,10 +74,20 @@ def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True,
     )
+    _save_random(lambda: Qwen3ForCausalLM(config), Path(out_dir), seed)
+
+
+def _save_random(build: Callable[[], Any], out_dir: Path, seed: int) -> None:
+    """A transformers model built with seeded weights, in float32, saved as safetensors with its config.
+
+    HF initialises norm weights at one (and Qwen3.5's ``1 + w`` norms at zero), which would hide a
+    wrong norm variant; a seeded perturbation makes every norm weight count in tests.
+    """
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
-    with torch.no_grad():  # norms start at one in HF; perturbed so that a wrong norm shows in tests
+    model = build().to(torch.float32)
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
+    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
