@@ -226,7 +226,7 @@ def test_chunked_rule_matches_recurrent_steps() -> None:
 
 
 def test_padding_ids_never_sampled(model: Qwen3_5ForCausalLM) -> None:
-    assert model.vocab_size == QWEN3_5_VOCAB_SIZE
+    assert model.config.vocab_size == QWEN3_5_VOCAB_SIZE
     logits = torch.randn(2, QWEN3_5_VOCAB_SIZE)
     logits[:, TOKENIZER_VOCAB:] = 1e6  # padding rows of the embedding that would win every draw
     rows = [SamplingRow(SamplingParams(temperature=t).with_defaults(), [], [], None) for t in (0.0, 1.0)]

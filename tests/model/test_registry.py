@@ -67,7 +67,7 @@ def test_resolving_one_architecture_imports_no_other_model() -> None:
         "loaded = [m for m in ('qwen3', 'qwen3_5', 'gated_deltanet') if f'tokenline.model.{m}' in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
 

@@ -84,10 +84,8 @@ class Qwen3_5ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.vocab_size = config.vocab_size
-        self.layer_types = config.layer_types
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in self.layer_types)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -14,6 +14,7 @@ import torch
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, TokenLogprobs
 from tokenline.model.config import ModelConfig
+from tokenline.model.interface import Cache
 from tokenline.model.loader import load_model
 from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 
@@ -35,7 +36,7 @@ class ModelRunner:
         self.model = load_model(model_dir, self.config, dtype, self.device)
         # The tokenizer may know fewer ids than the embedding has rows (padded vocabularies).
         self.sampler = Sampler(vocab_size or self.config.vocab_size)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[Cache] = []
         self.block_size = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
