@@ -22,6 +22,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
             raise ValueError("Qwen3 with use_sliding_window is not supported")
         super().__init__(config)
 
-    @staticmethod
-    def make_layer(config: ModelConfig) -> nn.Module:
+    def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
         return LlamaDecoderLayer(config, Attention(config, qk_norm=RMSNorm))

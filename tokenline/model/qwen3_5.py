@@ -25,9 +25,10 @@ from torch import nn
 
 from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenline.model.config import ModelConfig
+from tokenline.model.decoder import DecoderLM
 from tokenline.model.gated_deltanet import DeltaNetShape, GatedDeltaNet
-from tokenline.model.interface import Cache, CausalLM
-from tokenline.model.layers import Attention, GatedMLP, Linear, RotaryEmbedding, RotaryRows, ZeroCenteredRMSNorm
+from tokenline.model.interface import Cache
+from tokenline.model.layers import Attention, GatedMLP, RotaryRows, ZeroCenteredRMSNorm
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -66,7 +67,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3_5ForCausalLM(CausalLM):
+class Qwen3_5ForCausalLM(DecoderLM):
     """The Qwen3.5 text model. ``caches`` (from :meth:`make_caches`) hold one entry per layer."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
@@ -81,28 +82,17 @@ class Qwen3_5ForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+    norm_class = ZeroCenteredRMSNorm
+
+    def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
+        return Qwen3_5DecoderLayer(config, config.layer_types[index])
+
+    @classmethod
+    def rotary_dim(cls, config: ModelConfig) -> int:
         rope = config.raw.get("rope_parameters") or config.raw.get("rope_scaling") or {}
         # 0.25 is what the reference assumes when a config does not say.
         partial = float(rope.get("partial_rotary_factor", config.raw.get("partial_rotary_factor", 0.25)))
-        self.rotary = RotaryEmbedding(int(config.head_dim * partial), config.rope_theta, config.rope_scaling)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Cache], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions, x.dtype)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, positions, cos_sin, cache, meta)
-        return self.norm(x)
+        return int(config.head_dim * partial)
 
     # -- cache layout ------------------------------------------------------------------------------
 
