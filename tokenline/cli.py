@@ -150,6 +150,20 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
             args.num_prompts, args.input_len, tokenizer.vocab_size, set(tokenizer.all_special_ids), args.seed
         )
     base = engine_config_from_args(args)
+    if args.structured_json_schema:
+        from tokenline.bench.throughput import run_tokenline_structured
+
+        schema = json.loads(Path(args.structured_json_schema).read_text())
+        results = []
+        for dtype in args.dtypes or [base.dtype]:
+            config = EngineConfig(**{**asdict(base), "dtype": dtype})
+            bench = run_tokenline_structured(model_dir, prompts, args.output_len, config, schema)
+            results += [bench.unconstrained, bench.constrained]
+            print(format_table([bench.unconstrained, bench.constrained]))
+            print(bench.summary())
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+        return 0
     speculative = [None, base.speculative or "ngram"] if args.compare_speculative else [base.speculative]
     results = []
     for dtype in args.dtypes or [base.dtype]:
@@ -301,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each dtype without and with speculation (--speculative, default ngram) side by side")
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--structured-json-schema", default=None, metavar="FILE",
+                   help="run the workload without and then with this JSON schema on every request (one "
+                        "engine), and report output tok/s of both and grammar compile p50/p99")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     p.set_defaults(func=cmd_bench_throughput)

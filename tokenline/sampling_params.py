@@ -7,6 +7,7 @@ from the model's generation config, the way vLLM applies ``generation_config.jso
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,61 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a
+    JSON schema, as a dict or JSON text), ``json_object`` (any JSON object), ``regex``, ``choice``
+    (one of these strings) or ``grammar`` (Lark, llguidance's dialect, with ``%json{...}`` inline
+    schemas) is set. ``start_after_token_id``: the constraint applies only once this token id has
+    been generated (e.g. a reasoning model's ``</think>``); None applies it from the first token.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    start_after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar"
+                + (f"; got {', '.join(kinds)}" if kinds else ""),
+            )
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
+                raise SamplingParamsError("structured_outputs.choice", "choice must be a list of strings")
+            if not self.choice:
+                raise SamplingParamsError("structured_outputs.choice", "choice must not be empty")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise SamplingParamsError("structured_outputs.json", "json must be a JSON schema (an object or JSON text)")
+        if self.start_after_token_id is not None and self.start_after_token_id < 0:
+            raise SamplingParamsError("structured_outputs", "start_after_token_id must be a token id (>= 0)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    def key(self) -> str:
+        """Canonical JSON text of the constraint (not of ``start_after_token_id``, which does not
+        change the grammar): equal constraints give equal keys, so compiled grammars are cached by it."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # invalid JSON text: its own key; validation reports it
+        return json.dumps([self.kind, value], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -54,6 +110,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +148,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputs")
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 if int(token_id) < 0:

@@ -53,6 +53,7 @@ class ThroughputResult:
     speculative: str = "off"
     draft_tokens: int = 0  # speculative decoding: drafted tokens, and how many the model accepted
     accepted_tokens: int = 0
+    constraint: str = "none"  # structured output on every request: "none" or "json"
 
     @property
     def requests_per_s(self) -> float:
@@ -129,6 +130,89 @@ def run_tokenline(model_dir: Path, prompts: list[list[int]], output_len: int, co
     return result
 
 
+@dataclass
+class StructuredBench:
+    """The same workload without and with a JSON schema on every request, on one engine."""
+
+    unconstrained: ThroughputResult
+    constrained: ThroughputResult
+    compile_ms: list[float]  # uncached compilations of the schema, for p50 / p99
+    engine_compiles: int  # compilations the engine ran during the constrained runs, and cache hits
+    engine_cache_hits: int
+
+    def percentile_ms(self, q: float) -> float:
+        ordered = sorted(self.compile_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> str:
+        ratio = self.constrained.output_tokens_per_s / self.unconstrained.output_tokens_per_s
+        return (
+            f"json schema on every request: {self.constrained.output_tokens_per_s:.1f} output tok/s vs "
+            f"{self.unconstrained.output_tokens_per_s:.1f} without ({ratio:.2f}x); "
+            f"{self.constrained.output_tokens} vs {self.unconstrained.output_tokens} output tokens\n"
+            f"grammar compile p50 {self.percentile_ms(0.5):.2f} ms, p99 {self.percentile_ms(0.99):.2f} ms "
+            f"({len(self.compile_ms)} uncached compiles); in the run: {self.engine_compiles} compiled, "
+            f"{self.engine_cache_hits} cache hits"
+        )
+
+
+def run_tokenline_structured(
+    model_dir: Path,
+    prompts: list[list[int]],
+    output_len: int,
+    config: EngineConfig,
+    schema: dict,
+    repeats: int = 2,
+    num_compiles: int = 50,
+) -> StructuredBench:
+    """``prompts`` greedy without constraints and with ``schema`` on every request, on one engine,
+    alternating ``repeats`` times and keeping each one's fastest run (a shared machine's noise only
+    ever slows a run down); then ``num_compiles`` uncached compilations of the schema."""
+    from tokenline.llm import LLM
+    from tokenline.sampling_params import SamplingParams, StructuredOutputs
+
+    llm = LLM(model_dir, **vars(config))
+    compiler = llm.engine.grammar_compiler
+    if compiler is None:
+        raise ValueError(f"{model_dir} has no tokenizer.json: no structured output")
+    spec = StructuredOutputs(json=schema)
+    compiler.tokenizer()  # built once per engine, before any request: not part of the figures
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    best: dict[str, ThroughputResult] = {}
+    compiles = hits = 0
+    for _ in range(repeats):
+        for structured in (None, spec):
+            llm.engine.kv_cache.pool.reset_prefix_cache()
+            before = llm.engine.stats()
+            params = SamplingParams(
+                temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=structured
+            )
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            after = llm.engine.stats()
+            if structured is not None:
+                compiles += after.grammar_compile_count - before.grammar_compile_count
+                hits += after.grammar_cache_hits - before.grammar_cache_hits
+            result = ThroughputResult(
+                "tokenline",
+                str(llm.engine.runner.dtype).removeprefix("torch."),
+                len(prompts),
+                sum(len(p) for p in prompts),
+                sum(len(o.outputs[0].token_ids) for o in outputs),
+                elapsed,
+                speculative=config.speculative or "off",
+                constraint="none" if structured is None else "json",
+            )
+            if result.constraint not in best or elapsed < best[result.constraint].elapsed_s:
+                best[result.constraint] = result
+    compile_ms = [compiler.compile(spec).seconds * 1e3 for _ in range(num_compiles)]
+    bench = StructuredBench(best["none"], best["json"], compile_ms, compiles, hits)
+    del llm
+    gc.collect()
+    return bench
+
+
 def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str, batch_size: int) -> ThroughputResult:
     """The same prompts through transformers ``generate``, ``batch_size`` at a time (no padding: all
     prompts have the same length), always producing ``output_len`` tokens."""
@@ -161,8 +245,10 @@ def run_hf(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: st
 def format_table(results: list[ThroughputResult]) -> str:
     hf = {r.dtype: r for r in results if r.backend == "hf-transformers"}
     no_spec = {r.dtype: r for r in results if r.backend == "tokenline" and r.speculative == "off"}
+    constrained = any(r.constraint != "none" for r in results)  # a column only when some row has one
     lines = [
-        f"{'backend':<16} {'dtype':<9} {'spec':<6} {'req/s':>7} {'prompt tok/s':>13} {'output tok/s':>13} "
+        f"{'backend':<16} {'dtype':<9} {'spec':<6} " + (f"{'grammar':<8}" if constrained else "")
+        + f"{'req/s':>7} {'prompt tok/s':>13} {'output tok/s':>13} "
         f"{'time s':>8} {'accept':>7} {'vs off':>7} {'vs HF':>7}",
     ]
     for r in results:
@@ -172,7 +258,8 @@ def format_table(results: list[ThroughputResult]) -> str:
         speedup = f"{r.output_tokens_per_s / off.output_tokens_per_s:.2f}x" if off else ""
         accept = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else ""
         lines.append(
-            f"{r.backend:<16} {r.dtype:<9} {r.speculative:<6} {r.requests_per_s:>7.2f} {r.prompt_tokens_per_s:>13.1f} "
+            f"{r.backend:<16} {r.dtype:<9} {r.speculative:<6} " + (f"{r.constraint:<8}" if constrained else "")
+            + f"{r.requests_per_s:>7.2f} {r.prompt_tokens_per_s:>13.1f} "
             f"{r.output_tokens_per_s:>13.1f} {r.elapsed_s:>8.1f} {accept:>7} {speedup:>7} {ratio:>7}"
         )
     return "\n".join(lines)

@@ -39,6 +39,8 @@ class EngineConfig:
     kv_events_endpoint: str | None = None  # implies enable_kv_cache_events
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # Structured output: a grammar that has not compiled after this long fails its request.
+    grammar_compile_timeout_s: float = 10.0
 
     @property
     def kv_cache_events(self) -> bool:
@@ -54,6 +56,8 @@ class EngineConfig:
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be positive")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
@@ -93,6 +97,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     from tokenline.engine.ngram_proposer import NgramProposer
     from tokenline.engine.scheduler import SchedulerConfig
     from tokenline.model.config import ModelConfig
+    from tokenline.model.grammar import GrammarCompiler
     from tokenline.model.loader import resolve_dtype
     from tokenline.model.runner import ModelRunner
 
@@ -119,6 +124,11 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     proposer = None
     if config.speculative == "ngram":
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    # Structured output needs the tokenizer's vocabulary (bytes of every id) for its masks.
+    tokenizer_path = model_dir / "tokenizer.json"
+    grammar_compiler = None
+    if tokenizer_path.is_file():
+        grammar_compiler = GrammarCompiler(tokenizer_path, runner.sampler.vocab_size, model_config.eos_token_ids)
     return EngineCore(
         runner,
         kv_cache,
@@ -127,4 +137,6 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         device=config.device,
         check_integrity_every_step=config.check_integrity_every_step,
         proposer=proposer,  # the scheduler drops it for hybrid models
+        grammar_compiler=grammar_compiler,
+        grammar_compile_timeout_s=config.grammar_compile_timeout_s,
     )

@@ -103,6 +103,8 @@ def _loop(
             elif isinstance(message, Shutdown):
                 return
         outputs = aborted + core.step()
+        for failed in core.take_failed_requests():  # grammars that did not compile
+            outbox.send(failed)
         records = core.take_step_records()
         events = core.take_kv_events()
         if events and publisher is not None:

@@ -10,19 +10,32 @@ from one injectable clock, so a simulator can run this loop on simulated time.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.kv_events import KVCacheEvent
-from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats, FinishReason, StepRecord
+from tokenline.engine.messages import (
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestFailed,
+    StepRecord,
+)
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
 from tokenline.model.batch import Runner, SampledToken, ScheduledBatch
+from tokenline.model.grammar import GrammarCompiler
 
 MAX_STEP_RECORDS = 10_000  # kept for a caller that drains them rarely (or never): the newest win
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+logger = logging.getLogger("tokenline.engine")
 
 
 class RequestRejected(ValueError):
@@ -44,6 +57,8 @@ class EngineCore:
         check_integrity_every_step: bool = False,
         proposer: NgramProposer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        grammar_compiler: GrammarCompiler | None = None,
+        grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
     ) -> None:
         self.runner = runner
         self.kv_cache = kv_cache
@@ -55,6 +70,11 @@ class EngineCore:
         self.check_integrity_every_step = check_integrity_every_step
         self.num_steps = 0
         self._step_records: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
+        # Structured output: compiled off the step loop; requests wait in the queue meanwhile.
+        self.grammar_compiler = grammar_compiler
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
+        self._compiling: dict[str, Request] = {}
+        self._failed: list[RequestFailed] = []
 
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ``RequestRejected`` if it could never complete."""
@@ -82,24 +102,46 @@ class EngineCore:
                 f"prompt + max_tokens ({num_prompt + max_tokens} tokens) exceeds the whole KV cache "
                 f"({pool_tokens} tokens); raise --kv-cache-memory or lower max_tokens",
             )
+        spec = engine_request.sampling.structured_outputs
+        if spec is not None and self.grammar_compiler is None:
+            raise RequestRejected("structured_outputs", "this engine has no tokenizer.json to build grammars with")
         request = Request(engine_request, max_tokens, self.eos_token_ids, self.device)
         self.scheduler.add(request)
+        if spec is not None:
+            assert self.grammar_compiler is not None
+            request.grammar_future = self.grammar_compiler.submit(spec)
+            request.grammar_submitted = self.clock()
+            self._compiling[request.request_id] = request
+            self._poll_grammars()  # a cached grammar is ready at once
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         """Stop a request now; its output reports the tokens it actually produced."""
+        self._compiling.pop(request_id, None)
         request = self.scheduler.abort(request_id)
         return None if request is None else self._output(request, [], None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def take_failed_requests(self) -> list[RequestFailed]:
+        """Requests removed since the last call because their grammar failed to compile (or took
+        longer than the bound); they produced no tokens. The engine process sends each on."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def step(self) -> list[EngineOutput]:
         start = self.clock()
         preemptions_before = self.scheduler.num_preemptions
+        if self._compiling:
+            self._poll_grammars()
         batch = self.scheduler.schedule()
         if not batch:
             if not self.scheduler.has_unfinished():
                 self.scheduler.check_integrity()  # idle: cheap, catches any leak at once
+            elif self._compiling:
+                # Only compiling requests are left: wait a little for one rather than spin.
+                futures = [r.grammar_future for r in self._compiling.values() if r.grammar_future is not None]
+                concurrent.futures.wait(futures, timeout=0.01, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         record = self._start_record(batch, start)  # before update() moves the requests on
         sampled = self.runner.execute(batch)
@@ -109,6 +151,39 @@ class EngineCore:
         if self.check_integrity_every_step:
             self.scheduler.check_integrity()
         return [self._output(r.request, r.new_token_ids, r.token) for r in results if r.token is not None]
+
+    def _poll_grammars(self) -> None:
+        """Hand finished compilations to their requests; fail those whose compilation failed or
+        ran past the bound (its thread finishes in the background; the request does not wait)."""
+        now = self.clock()
+        for request_id, request in list(self._compiling.items()):
+            future = request.grammar_future
+            if request.finished or future is None:  # aborted meanwhile
+                del self._compiling[request_id]
+                continue
+            if future.done():
+                del self._compiling[request_id]
+                error = future.exception()
+                if error is None:
+                    spec = request.sampling.structured_outputs
+                    assert spec is not None
+                    request.grammar = future.result().new_state(spec.start_after_token_id)
+                    request.grammar_future = None
+                    continue
+                param = getattr(error, "param", "structured_outputs")
+                self._fail(request, param, str(error))
+            elif now - request.grammar_submitted > self.grammar_compile_timeout_s:
+                del self._compiling[request_id]
+                self._fail(
+                    request,
+                    "structured_outputs",
+                    f"the grammar did not compile within {self.grammar_compile_timeout_s:g} s; simplify the schema",
+                )
+
+    def _fail(self, request: Request, param: str, message: str) -> None:
+        logger.info("request %s failed: %s", request.request_id, message)
+        self.scheduler.abort(request.request_id)
+        self._failed.append(RequestFailed(request.request_id, param, message))
 
     def take_step_records(self) -> list[StepRecord]:
         """The records of the steps run since the last call (at most ``MAX_STEP_RECORDS``)."""
@@ -127,7 +202,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
         spec = self.scheduler.spec_stats
-        return EngineStats(
+        stats = EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_cache.usage(),
@@ -141,6 +216,12 @@ class EngineCore:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
         )
+        if self.grammar_compiler is not None:
+            times = self.grammar_compiler.compile_seconds
+            stats.grammar_compile_count = len(times)
+            stats.grammar_compile_seconds_sum = sum(times)
+            stats.grammar_cache_hits = self.grammar_compiler.num_cache_hits
+        return stats
 
     def _start_record(self, batch: ScheduledBatch, start: float) -> StepRecord:
         prefill = decode = drafts = 0

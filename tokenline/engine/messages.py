@@ -86,6 +86,11 @@ class EngineStats:
     spec_decode_num_drafts: int = 0  # speculative steps (a request verifying drafts)
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Structured output: grammars compiled (and the seconds they took), and requests whose
+    # grammar was already compiled or compiling (a cache hit).
+    grammar_compile_count: int = 0
+    grammar_compile_seconds_sum: float = 0.0
+    grammar_cache_hits: int = 0
 
 
 @dataclass

@@ -4,10 +4,15 @@ engine loop share (as nano-vllm's ``Sequence``)."""
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenline.engine.messages import EngineRequest, FinishReason, RequestTimings
+
+if TYPE_CHECKING:
+    from tokenline.model.grammar import CompiledGrammar, GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +55,15 @@ class Request:
             # Each seeded request owns its RNG so its tokens do not depend on the rest of the batch.
             self.generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
         self.num_outputs_sent = 0  # output tokens already reported to the frontend
+        # Structured output: the compilation under way (the request waits until it is done), then
+        # the request's own matcher, advanced on every accepted token.
+        self.grammar_future: Future[CompiledGrammar] | None = None
+        self.grammar_submitted: float = 0.0  # when it was submitted (the engine's clock)
+        self.grammar: GrammarState | None = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar_future is not None
 
     @property
     def num_tokens(self) -> int:

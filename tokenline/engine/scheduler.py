@@ -15,15 +15,21 @@ request keeps the drafts the model agrees with plus one token of its own.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq
+from tokenline.model.grammar import fill_bitmasks
+
+logger = logging.getLogger("tokenline.engine")
 
 
 @dataclass
@@ -133,7 +139,10 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            # A request whose grammar is still compiling waits without holding up those behind it.
+            request = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+            if request is None:
+                break
             cached_blocks = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             # Admit only if the whole known sequence (plus the next token) fits beside current
@@ -143,7 +152,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             self.kv_cache.record_admission(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -155,9 +164,11 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             [self._scheduled_seq(self.requests[rid], n, drafts.get(rid, [])) for rid, n in scheduled.items()]
         )
+        self._attach_grammar_bitmasks(batch)
+        return batch
 
     def update(self, batch: ScheduledBatch, sampled: dict[str, SampledToken]) -> list[StepResult]:
         """Advance each scheduled request by what the runner computed and sampled."""
@@ -180,6 +191,8 @@ class Scheduler:
             for i, token_id in enumerate(new_token_ids):
                 request.token_ids.append(token_id)
                 reason = self._check_stop(request, token_id)
+                if request.grammar is not None and reason in (None, FinishReason.LENGTH):
+                    reason = self._advance_grammar(request, token_id) or reason
                 if reason is not None:
                     del new_token_ids[i + 1 :]  # tokens after a stop are never shown
                     break
@@ -212,6 +225,7 @@ class Scheduler:
             or params.frequency_penalty != 0.0
             or params.repetition_penalty not in (None, 1.0)
             or request.num_output_tokens < params.min_tokens
+            or (request.grammar is not None and not request.grammar.active)
         ):
             return []
         # Room for the drafts and the model's own token after them, within every limit.
@@ -220,7 +234,11 @@ class Scheduler:
             request.max_tokens - request.num_output_tokens - 1,
             self.config.max_model_len - request.num_tokens - 1,
         )
-        return self.proposer.propose(request.request_id, request.token_ids, room)
+        drafts = self.proposer.propose(request.request_id, request.token_ids, room)
+        if request.grammar is not None and drafts:
+            # Only drafts the grammar accepts can be verified (the masked argmax never picks others).
+            drafts = drafts[: request.grammar.num_valid(drafts)]
+        return drafts
 
     def _accept(self, drafts: Sequence[int], token: SampledToken) -> list[int]:
         """The drafts the model agrees with, then the model's own token after the last of them."""
@@ -233,6 +251,35 @@ class Scheduler:
             self.spec_stats.num_draft_tokens += len(drafts)
             self.spec_stats.num_accepted_tokens += accepted
         return targets[: accepted + 1]
+
+    # --- structured output -------------------------------------------------------------------
+
+    def _attach_grammar_bitmasks(self, batch: ScheduledBatch) -> None:
+        """One bitmask for the step's constrained rows (1 + drafts per sequence), filled together;
+        each sequence gets its slice."""
+        constrained = []
+        num_rows = 0
+        for seq in batch.seqs:
+            grammar = self.requests[seq.request_id].grammar
+            if seq.sample and grammar is not None and grammar.active:
+                constrained.append((seq, grammar, num_rows))
+                num_rows += 1 + len(seq.draft_token_ids)
+        if not constrained:
+            return
+        bitmask = np.zeros((num_rows, constrained[0][1].words), dtype=np.int32)
+        fill_bitmasks(bitmask, [(grammar, row, seq.draft_token_ids) for seq, grammar, row in constrained])
+        for seq, _, row in constrained:
+            seq.grammar_bitmask = bitmask[row : row + 1 + len(seq.draft_token_ids)]
+
+    def _advance_grammar(self, request: Request, token_id: int) -> FinishReason | None:
+        """Feed an accepted token to the request's matcher: STOP once the grammar is complete and
+        admits nothing more, ERROR if it rejects the token (only an all-forbidden row can do that)."""
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.accept((token_id,)):
+            logger.warning("request %s: token %d breaks its grammar: %s", request.request_id, token_id, grammar.error)
+            return FinishReason.ERROR
+        return FinishReason.STOP if grammar.terminated else None
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -288,6 +335,8 @@ class Scheduler:
         self.kv_cache.free(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
+        request.grammar = None  # frees the matcher
+        request.grammar_future = None
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.timings.finished = self.clock()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from tokenline.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -42,6 +43,9 @@ class ScheduledSeq:
     # Speculative decoding: guessed tokens after the last known one, already at the end of
     # token_ids. The runner then returns the greedy token at each of the 1 + k positions.
     draft_token_ids: Sequence[int] = ()
+    # Structured output: int32 [1 + len(draft_token_ids), ceil(vocab / 32)], one row per sampled
+    # position, bit i of a row set when token i is allowed there (model/grammar.py); None: no constraint.
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

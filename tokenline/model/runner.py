@@ -64,7 +64,9 @@ class ModelRunner:
             row = SamplingRow(s.sampling, s.prompt_token_ids, s.output_token_ids, s.generator, s.banned_token_ids)
             # A sequence with drafts is greedy and plain (the scheduler sees to it): one row per position.
             rows.extend([row] * (1 + len(s.draft_token_ids)))
-        sampled = self.sampler(logits, SamplingMetadata.build(rows, self.sampler.vocab_size, self.device))
+        metadata = SamplingMetadata.build(rows, self.sampler.vocab_size, self.device)
+        metadata.grammar_rows, metadata.grammar_bitmask = self._grammar_bitmask(sampling_seqs)
+        sampled = self.sampler(logits, metadata)
         return self._to_tokens(sampling_seqs, sampled)
 
     def _prepare(
@@ -123,6 +125,25 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=device),
             sampling_seqs,
+        )
+
+    def _grammar_bitmask(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The constrained rows of the step's logits and their bitmasks, stacked (one copy to the device)."""
+        indices: list[int] = []
+        masks = []
+        row = 0
+        for s in seqs:
+            num_rows = 1 + len(s.draft_token_ids)
+            if s.grammar_bitmask is not None:
+                indices.extend(range(row, row + num_rows))
+                masks.append(torch.from_numpy(s.grammar_bitmask))
+            row += num_rows
+        if not masks:
+            return None, None
+        bitmask = torch.cat(masks) if len(masks) > 1 else masks[0]
+        return (
+            torch.tensor(indices, dtype=torch.long, device=self.device),
+            bitmask.to(self.device, non_blocking=True),
         )
 
     @staticmethod
