@@ -19,7 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "sampling_params": set(),
     "model": {"sampling_params"},
     "engine": {"model", "sampling_params"},
-    "frontend": {"engine.messages", "sampling_params"},
+    "frontend": {"engine.messages", "model.grammar", "sampling_params"},
     "gateway": {"engine.messages", "model.model_store"},
     "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "sampling_params", "__version__"},
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},

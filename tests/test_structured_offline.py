@@ -343,3 +343,24 @@ def test_qwen3_5_preemption_keeps_matchers_in_step(qwen_dir: Path, qwen: LLM) ->
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), p.structured_outputs.json)
     assert_pool_empty(small)
+
+
+def test_offline_bad_specs_and_engine_compile_failures_raise_naming_the_field(
+    smol: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import Future
+
+    from tokenline.frontend.processor import PromptError
+    from tokenline.sampling_params import SamplingParamsError
+
+    with pytest.raises(PromptError) as exc:  # refused by the processor, before any engine work
+        smol.generate("x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="[a-")))
+    assert exc.value.param == "structured_outputs.regex"
+    # What the engine's compiler reports (a failure, or the bound passed) reaches the caller too.
+    failed: Future = Future()
+    failed.set_exception(SamplingParamsError("structured_outputs.grammar", "the compiler gave up"))
+    monkeypatch.setattr(smol.engine.grammar_compiler, "submit", lambda spec: failed)
+    with pytest.raises(PromptError, match="gave up") as exc:
+        smol.generate("x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="[0-9]+")))
+    assert exc.value.param == "structured_outputs.grammar"
+    assert_pool_empty(smol)

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenline.engine.config import EngineConfig, build_engine_core
 from tokenline.engine.messages import RequestTimings, TokenLogprobs
-from tokenline.frontend.processor import InputProcessor
+from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.request_state import RequestState
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.model.model_store import resolve_model
@@ -113,14 +113,17 @@ class LLM:
         try:
             for prompt, prompt_ids, params in requests:
                 self.processor.check_prompt(prompt_ids, "prompt")
-                params = self.processor.resolve(params, len(prompt_ids))
+                params = self.processor.resolve(params, prompt_ids)
                 state = self.processor.fan_out(f"{next(self._ids)}", [prompt_ids], params)
                 states.append((prompt, state))  # before adding: a failure below aborts what went in
                 for engine_request in state.engine_requests:
                     self.engine.add_request(engine_request)
+                self._raise_failures()
             by_id = {request_id: state for _, state in states for request_id in state.request_ids}
             while self.engine.has_unfinished_requests():
-                for engine_output in self.engine.step():
+                outputs = self.engine.step()
+                self._raise_failures()
+                for engine_output in outputs:
                     state = by_id[engine_output.request_id]
                     if state.absorb(engine_output).abort:
                         # A stop string ended the text: free the engine's work at once.
@@ -133,6 +136,11 @@ class LLM:
                 for request_id in state.running_in_engine():
                     self.engine.abort_request(request_id)
         return [_request_output(prompt, state) for prompt, state in states]
+
+    def _raise_failures(self) -> None:
+        """A request the engine removed (its grammar did not compile, or not in time) fails the call."""
+        for failed in self.engine.take_failed_requests():
+            raise PromptError(failed.param, failed.message)
 
 
 def _request_output(prompt: str | None, state: RequestState) -> RequestOutput:

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.sampling_params import StructuredOutputs
 from tokenline.gateway.errors import APIError, install_error_handlers
 from tokenline.api.protocol import (
     AssistantMessage,
@@ -50,12 +51,12 @@ def _app(processor: InputProcessor) -> FastAPI:
     @app.post("/chat")
     def chat(req: ChatCompletionRequest) -> dict[str, Any]:
         req.check()  # as the server does: refuse unsupported fields, map, fit to the context
-        return dataclasses.asdict(processor.fit(req.to_sampling_params(), PROMPT_LEN, req.param_names))
+        return dataclasses.asdict(processor.fit(req.to_sampling_params(), [0] * PROMPT_LEN, req.param_names))
 
     @app.post("/completions")
     def completions(req: CompletionRequest) -> dict[str, Any]:
         req.check()
-        return dataclasses.asdict(processor.fit(req.to_sampling_params(), PROMPT_LEN, req.param_names))
+        return dataclasses.asdict(processor.fit(req.to_sampling_params(), [0] * PROMPT_LEN, req.param_names))
 
     @app.post("/tokenize")
     def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -258,7 +259,7 @@ def test_context_length(client: TestClient, processor: InputProcessor) -> None:
     assert exc.value.param == "messages" and exc.value.code == "context_length_exceeded"
     with pytest.raises(PromptError) as exc:
         request = CompletionRequest(model="m", prompt="x")
-        processor.fit(request.to_sampling_params(), MAX_MODEL_LEN - 3, request.param_names)
+        processor.fit(request.to_sampling_params(), [0] * (MAX_MODEL_LEN - 3), request.param_names)
     assert exc.value.param == "max_tokens"  # the default 16 does not fit
 
 
@@ -270,7 +271,6 @@ def test_context_length(client: TestClient, processor: InputProcessor) -> None:
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
         ("prediction", {"type": "content", "content": "x"}),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
@@ -281,6 +281,32 @@ def test_context_length(client: TestClient, processor: InputProcessor) -> None:
 )
 def test_unsupported_chat_fields(client: TestClient, field: str, value: Any) -> None:
     assert "not supported" in assert_error(chat(client, **{field: value}), 400, field)
+
+
+def test_structured_output_fields_map_onto_one_spec() -> None:
+    base = {"model": "m", "messages": USER}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    assert ChatCompletionRequest(**base, response_format=json_schema).to_sampling_params().structured_outputs == \
+        StructuredOutputs(json=schema)
+    assert ChatCompletionRequest(**base, response_format={"type": "json_object"}).structured_spec() == \
+        StructuredOutputs(json_object=True)
+    assert ChatCompletionRequest(**base, response_format={"type": "text"}).structured_spec() is None
+    vllm = ChatCompletionRequest(**base, structured_outputs={"json": schema})
+    assert vllm.structured_spec() == StructuredOutputs(json=schema)
+    assert vllm.param_names.get("structured_outputs") is None  # errors name the vLLM field itself
+    regex = CompletionRequest(model="m", prompt="x", structured_outputs={"regex": "[0-9]+"})
+    assert regex.to_sampling_params().structured_outputs == StructuredOutputs(regex="[0-9]+")
+    for bad, param in [
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ]:
+        with pytest.raises(APIError) as exc:
+            ChatCompletionRequest(**base, **bad).to_sampling_params()
+        assert exc.value.param == param, bad
 
 
 def test_harmless_values_of_unsupported_fields(client: TestClient) -> None:
@@ -374,6 +400,7 @@ def test_chat_maps_every_field(client: TestClient) -> None:
         "ignore_eos": True,
         "logprobs": 4,
         "skip_special_tokens": False,
+        "structured_outputs": None,
     }
 
 

@@ -113,7 +113,7 @@ CASES = [
     ("tools", "POST", CHAT,
      {"json": chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])},
      400, "tools", None, ["tools"]),
-    ("response-format-json-object", "POST", CHAT, {"json": chat(response_format={"type": "json_object"})}, 400,
+    ("response-format-unknown-type", "POST", CHAT, {"json": chat(response_format={"type": "yaml"})}, 400,
      "response_format", None, ["response_format"]),
     ("echo", "POST", COMPLETIONS, {"json": completion(echo=True)}, 400, "echo", None, ["echo"]),
     ("suffix", "POST", COMPLETIONS, {"json": completion(suffix="the end")}, 400, "suffix", None, ["suffix"]),

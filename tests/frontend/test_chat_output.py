@@ -1,4 +1,4 @@
-"""Reasoning and tool calls shaped for the OpenAI API, streamed and whole, with forced calls."""
+"""Reasoning and tool calls shaped for the OpenAI API, streamed and whole."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenline.frontend.chat_output import ChatOutputParser, ChatPiece, forced_tool_call_prefix
+from tokenline.frontend.chat_output import ChatOutputParser, ChatPiece
 
 OUTPUT = (
     "<think>\nThe user wants the weather.\n</think>\n\n"
@@ -46,19 +46,6 @@ def test_streamed_pieces_add_up_to_the_whole_parse(size: int) -> None:
     assert calls_of(piece) == [("get_weather", {"city": "Paris", "unit": "c"})]
     assert parser.made_tool_calls
     assert all(c.id and c.id.startswith("call_") for c in piece.tool_calls if c.name)
-
-
-def test_forced_prefixes_complete_into_calls() -> None:
-    assert forced_tool_call_prefix("auto") == forced_tool_call_prefix(None) == ""
-    named = forced_tool_call_prefix({"type": "function", "function": {"name": "get_weather"}})
-    rest = '{"city": "Oslo"}}\n</tool_call>'
-    parser = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, prefix=named)
-    assert calls_of(stream(parser, rest, 4)) == [("get_weather", {"city": "Oslo"})]
-    whole = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, prefix=named).parse_all(rest)
-    assert whole.tool_calls[0].name == "get_weather" and whole.content == ""
-    required = forced_tool_call_prefix("required")
-    parser = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, prefix=required)
-    assert calls_of(stream(parser, 'lookup", "arguments": {"q": 1}}\n</tool_call>', 5)) == [("lookup", {"q": 1})]
 
 
 def test_without_parsers_everything_is_content_and_malformed_calls_stay_content() -> None:

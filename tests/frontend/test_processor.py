@@ -34,23 +34,23 @@ def test_one_prompt_check_with_one_message(processor: InputProcessor) -> None:
 
 
 def test_max_tokens_fitted_to_the_context(processor: InputProcessor) -> None:
-    assert processor.fit(SamplingParams(max_tokens=None), 10).max_tokens == CONTEXT - 10
-    assert processor.fit(SamplingParams(max_tokens=54), 10).max_tokens == 54
+    assert processor.fit(SamplingParams(max_tokens=None), [0] * 10).max_tokens == CONTEXT - 10
+    assert processor.fit(SamplingParams(max_tokens=54), [0] * 10).max_tokens == 54
     with pytest.raises(PromptError) as exc:
-        processor.fit(SamplingParams(max_tokens=55), 10, {"max_tokens": "max_completion_tokens"})
+        processor.fit(SamplingParams(max_tokens=55), [0] * 10, {"max_tokens": "max_completion_tokens"})
     assert exc.value.param == "max_completion_tokens" and exc.value.code == "context_length_exceeded"
     # Filling max_tokens can break min_tokens: reported under the caller's name.
     with pytest.raises(PromptError) as exc:
-        processor.fit(SamplingParams(max_tokens=None, min_tokens=60), 10)
+        processor.fit(SamplingParams(max_tokens=None, min_tokens=60), [0] * 10)
     assert exc.value.param == "min_tokens"
     with pytest.raises(PromptError) as exc:
-        processor.fit(SamplingParams(stop_token_ids=[10**9]), 10)
+        processor.fit(SamplingParams(stop_token_ids=[10**9]), [0] * 10)
     assert exc.value.param == "stop_token_ids"
     with pytest.raises(PromptError) as exc:
-        processor.fit(SamplingParams(logit_bias={10**9: 1.0}), 10)
+        processor.fit(SamplingParams(logit_bias={10**9: 1.0}), [0] * 10)
     assert exc.value.param == "logit_bias"
     # resolve = fit + the model's generation config for what the caller left unset.
-    resolved = processor.resolve(SamplingParams(max_tokens=4), 10)
+    resolved = processor.resolve(SamplingParams(max_tokens=4), [0] * 10)
     assert resolved.temperature == 0.2 and resolved.max_tokens == 4
 
 
@@ -84,3 +84,27 @@ def test_output_side_text_stop_strings_and_usage(processor: InputProcessor) -> N
     assert state.finished
     usage = state.usage()
     assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (3, 2, len(ids) + 1)
+
+
+def test_a_constraint_is_validated_and_starts_after_the_reasoning(processor: InputProcessor, tmp_path: Path) -> None:
+    from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
+    from tokenline.sampling_params import StructuredOutputs
+
+    with pytest.raises(PromptError) as exc:
+        processor.fit(SamplingParams(structured_outputs=StructuredOutputs(regex="[a-")), [0] * 10)
+    assert exc.value.param == "structured_outputs.regex"
+    with pytest.raises(PromptError) as exc:  # the caller's name for the field
+        processor.fit(SamplingParams(structured_outputs=StructuredOutputs(json={"type": "objectx"})), [0] * 10,
+                      {"structured_outputs.json": "response_format.json_schema.schema"})
+    assert exc.value.param == "response_format.json_schema.schema"
+    build_qwen_tokenizer(tmp_path)
+    qwen = Tokenizer.from_dir(tmp_path)
+    thinking = InputProcessor(qwen, {}, lambda: CONTEXT, reasoning=True)
+    spec = StructuredOutputs(json_object=True)
+    opened = qwen.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    closed = qwen.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    fitted = thinking.fit(SamplingParams(structured_outputs=spec), opened).structured_outputs
+    assert fitted is not None and fitted.start_after_token_id == qwen.token_to_id("</think>")
+    assert thinking.fit(SamplingParams(structured_outputs=spec), closed).structured_outputs == spec
+    # Without a reasoning parser the answer is constrained from its first token.
+    assert processor.fit(SamplingParams(structured_outputs=spec), [0] * 10).structured_outputs == spec

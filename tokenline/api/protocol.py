@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tokenline.gateway.errors import APIError
-from tokenline.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from tokenline.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputs
 
 __all__ = [
     "AssistantMessage",
@@ -219,7 +219,6 @@ UNSUPPORTED_CHAT_FIELDS: tuple[_Unsupported, ...] = (
     _Unsupported("tool_choice", lambda v: v in (None, "none"), "tool calling"),
     _Unsupported("functions", lambda v: not v, "function calling"),
     _Unsupported("function_call", lambda v: v in (None, "none"), "function calling"),
-    _Unsupported("response_format", lambda v: v is None or v == {"type": "text"}, "structured output"),
     _Unsupported("prediction", _unset, "predicted outputs"),
     _Unsupported("audio", _unset, "audio output"),
     _Unsupported("modalities", lambda v: v is None or v == ["text"], "non-text output"),
@@ -231,6 +230,50 @@ UNSUPPORTED_COMPLETION_FIELDS: tuple[_Unsupported, ...] = (
     _Unsupported("echo", lambda v: not v, "echoing the prompt"),
     _Unsupported("suffix", lambda v: not v, "insertion (suffix)"),
 )
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs``: exactly one constraint on what may be generated."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema
+    json_object: bool | None = None  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect)
+
+    def to_spec(self) -> StructuredOutputs:
+        try:
+            return StructuredOutputs(
+                json=self.json_schema, json_object=bool(self.json_object), regex=self.regex, choice=self.choice,
+                grammar=self.grammar,
+            )
+        except SamplingParamsError as exc:
+            raise APIError.bad_request(str(exc), param=exc.param) from exc
+
+
+def _response_format_spec(response_format: dict[str, Any]) -> StructuredOutputs | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, or json_schema."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        entry = response_format.get("json_schema")
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise APIError.bad_request(
+                'response_format json_schema must be {"name": ..., "schema": {...}, "strict": ...}',
+                param="response_format.json_schema",
+            )
+        schema = entry.get("schema")
+        if schema is None:
+            return StructuredOutputs(json_object=True)  # OpenAI: no schema, any JSON object
+        if not isinstance(schema, dict):
+            raise APIError.bad_request("the schema must be a JSON object", param="response_format.json_schema.schema")
+        return StructuredOutputs(json=schema)
+    raise APIError.bad_request(
+        f"response_format type must be text, json_object or json_schema, got {kind!r}", param="response_format"
+    )
 
 
 class _GenerationRequest(_Request):
@@ -258,6 +301,7 @@ class _GenerationRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served earlier, as in vLLM
+    structured_outputs: StructuredOutputsField | None = None
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = ()
 
@@ -314,6 +358,10 @@ class _GenerationRequest(_Request):
         """This request's names for SamplingParams' fields, where they differ (for error messages)."""
         raise NotImplementedError
 
+    def structured_spec(self) -> StructuredOutputs | None:
+        """The constraint the request asks for, if any."""
+        return self.structured_outputs.to_spec() if self.structured_outputs is not None else None
+
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Map onto SamplingParams; the request processor then fits ``max_tokens`` to the context
         (unset: up to the context). The caller runs check() first (with what this server supports)."""
@@ -338,6 +386,7 @@ class _GenerationRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=self.structured_spec(),
             )
         except SamplingParamsError as e:
             # SamplingParams names its own fields; report the request's name for them.
@@ -427,7 +476,25 @@ class ChatCompletionRequest(_GenerationRequest):
     def param_names(self) -> dict[str, str]:
         """This request's names for SamplingParams' fields, for error messages."""
         max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        return {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"}
+        names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"}
+        if self.response_format is not None:  # the constraint came from response_format
+            names |= {"structured_outputs": "response_format",
+                      "structured_outputs.json": "response_format.json_schema.schema"}
+        return names
+
+    def structured_spec(self) -> StructuredOutputs | None:
+        """response_format or vLLM's structured_outputs (one of them); tool_choice's grammar is
+        the server's to add (it knows the tool-call format)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise APIError.bad_request(
+                "response_format and structured_outputs cannot both be set", param="structured_outputs"
+            )
+        if self.response_format is not None:
+            try:
+                return _response_format_spec(self.response_format)
+            except SamplingParamsError as exc:
+                raise APIError.bad_request(str(exc), param="response_format") from exc
+        return super().structured_spec()
 
     def to_sampling_params(self) -> SamplingParams:
         """Map onto the engine's SamplingParams; raises `APIError` (400) naming the offending field."""

@@ -11,6 +11,7 @@ KV block outlives its client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,13 +47,13 @@ from tokenline.api.protocol import (
 )
 from tokenline.engine.client import EngineClient, EngineDeadError, EngineRequestError, OutputCollector
 from tokenline.engine.messages import EngineOutput, TokenLogprobs
-from tokenline.frontend.chat_output import forced_tool_call_prefix
 from tokenline.frontend.processor import ChatParserFactory, InputProcessor
 from tokenline.frontend.request_state import RequestState, SequenceState, SequenceUpdate
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START, tool_call_grammar
 from tokenline.gateway.errors import APIError
 from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
-from tokenline.sampling_params import SamplingParams
+from tokenline.sampling_params import SamplingParams, StructuredOutputs
 
 
 @dataclass
@@ -122,9 +123,7 @@ class OpenAIServing:
         if self.client.info is None:
             raise APIError.unavailable("the model is still loading; retry shortly")
 
-    def render_chat(
-        self, request: ChatCompletionRequest | TokenizeRequest, ctx: RequestContext | None = None, suffix: str = ""
-    ) -> list[int]:
+    def render_chat(self, request: ChatCompletionRequest | TokenizeRequest, ctx: RequestContext | None = None) -> list[int]:
         """The request's messages through the model's chat template, tokenized (trace stamped)."""
         tools = getattr(request, "tools", None)
         if getattr(request, "tool_choice", None) == "none":
@@ -138,13 +137,25 @@ class OpenAIServing:
         )
         if ctx is not None:
             ctx.trace.mark("rendered")
-        ids = self.processor.encode_rendered(text + suffix)
+        ids = self.processor.encode_rendered(text)
         if ctx is not None:
             ctx.trace.mark("tokenized")
         return ids
 
-    def _params(self, request: ChatCompletionRequest | CompletionRequest, prompt_len: int) -> SamplingParams:
-        return self.processor.resolve(request.to_sampling_params(), prompt_len, request.param_names)
+    def _params(
+        self, request: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], tool_grammar: str | None = None
+    ) -> SamplingParams:
+        params = request.to_sampling_params()
+        if tool_grammar is not None:
+            # tool_choice "required" or a named function: the answer is made of tool calls.
+            if params.structured_outputs is not None:
+                raise APIError.bad_request(
+                    "tool_choice required or a named function cannot be combined with response_format "
+                    "or structured_outputs",
+                    param="tool_choice",
+                )
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=tool_grammar))
+        return self.processor.resolve(params, prompt_ids, request.param_names)
 
     # --- starting and consuming a generation ---------------------------------------------------
 
@@ -269,14 +280,15 @@ class OpenAIServing:
         self.ensure_ready()
         self.check_model(request.model)
         use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
-        # Without a grammar engine, "required" and a named function are enforced by starting the
-        # answer inside a tool call: the model can only go on with a name or with the arguments.
-        forced = forced_tool_call_prefix(request.tool_choice) if use_tools else ""
-        prompt_ids = self.render_chat(request, ctx, suffix=forced)
+        prompt_ids = self.render_chat(request, ctx)
         self.processor.check_prompt(prompt_ids, "messages")
-        params = self._params(request, len(prompt_ids))
+        tool_grammar = None
+        if use_tools:
+            markers = self.tokenizer.added_token_ids([TOOL_CALL_START, TOOL_CALL_END])
+            tool_grammar = tool_call_grammar(request.tools or [], request.tool_choice, markers)
+        params = self._params(request, prompt_ids, tool_grammar)
         gen = await self._start(
-            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools, forced)
+            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools)
         )
         if request.stream:
             return _sse(self._chat_stream(gen, request))
@@ -368,7 +380,7 @@ class OpenAIServing:
         for prompt_ids in prompts:
             self.processor.check_prompt(prompt_ids, "prompt")
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
-        params = self._params(request, max(len(p) for p in prompts))
+        params = self._params(request, max(prompts, key=len))
         gen = await self._start(ctx, "cmpl", prompts, params, request.priority)
         if request.stream:
             return _sse(self._completion_stream(gen, request))

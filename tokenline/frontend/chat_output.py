@@ -1,16 +1,13 @@
 """A chat choice's text, shaped the way the OpenAI API reports it: reasoning, content, tool calls.
 
 Chains the reasoning parser (``<think>…</think>``) and the tool-call parser
-(``<tool_call>{…}</tool_call>``) for one choice, streaming or not. With a forced tool call
-(``tool_choice`` "required" or a named function) the prompt already ends inside a ``<tool_call>``;
-that prefix is fed to the parsers first so they see the whole call.
+(``<tool_call>{…}</tool_call>``) for one choice, streaming or not. ``tool_choice`` "required" or a
+named function is enforced upstream, by a grammar on the generated tokens (``tool_call_grammar``).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenline.frontend.reasoning import ReasoningParser, split_reasoning
 from tokenline.frontend.tool_calls import (
@@ -22,16 +19,6 @@ from tokenline.frontend.tool_calls import (
     ToolCallStreamParser,
     parse_tool_calls,
 )
-
-
-def forced_tool_call_prefix(tool_choice: str | dict[str, Any] | None) -> str:
-    """Text that starts the answer inside a tool call, so the model has to make one."""
-    if tool_choice == "required":
-        return '<tool_call>\n{"name": "'
-    if isinstance(tool_choice, dict):
-        name = json.dumps(tool_choice["function"]["name"], ensure_ascii=False)
-        return f'<tool_call>\n{{"name": {name}, "arguments": '
-    return ""
 
 
 @dataclass
@@ -60,17 +47,14 @@ class ParsedChat:
 
 
 class ChatOutputParser:
-    def __init__(self, *, reasoning: bool, starts_in_reasoning: bool, tools: bool, prefix: str = "") -> None:
+    def __init__(self, *, reasoning: bool, starts_in_reasoning: bool, tools: bool) -> None:
         self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
         self._starts_in_reasoning = starts_in_reasoning
         self._tools = ToolCallStreamParser() if tools else None
-        self._prefix = prefix
-        self._pending_prefix = prefix
         self.made_tool_calls = False
 
     def feed(self, delta: str) -> ChatPiece:
-        text, self._pending_prefix = self._pending_prefix + delta, ""
-        return self._shape(*self._split(text))
+        return self._shape(*self._split(delta))
 
     def finish(self) -> ChatPiece:
         reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
@@ -81,7 +65,6 @@ class ChatOutputParser:
 
     def parse_all(self, text: str) -> ParsedChat:
         """The whole output at once (non-streaming responses)."""
-        text = self._prefix + text
         reasoning = None
         if self._reasoning is not None:
             reasoning, text = split_reasoning(text, starts_in_reasoning=self._starts_in_reasoning)

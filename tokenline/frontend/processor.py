@@ -15,9 +15,11 @@ from typing import Any
 from tokenline.engine.messages import EngineRequest
 from tokenline.frontend.chat_output import ChatOutputParser
 from tokenline.frontend.chat_template import ChatTemplateError
+from tokenline.frontend.reasoning import THINK_END, THINK_START
 from tokenline.frontend.request_state import RequestState, SequenceState
 from tokenline.frontend.text_stream import TextStream
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.model.grammar import validate as validate_structured_outputs
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -109,17 +111,22 @@ class InputProcessor:
     # --- parameters ----------------------------------------------------------------------------
 
     def resolve(
-        self, params: SamplingParams, prompt_len: int, param_names: Mapping[str, str] | None = None
+        self, params: SamplingParams, prompt_ids: Sequence[int], param_names: Mapping[str, str] | None = None
     ) -> SamplingParams:
         """Parameters as the engine will run them: fitted to the model (``fit``), then unset fields
         from the model's generation config."""
-        return self.fit(params, prompt_len, param_names).with_defaults(self.generation_config)
+        return self.fit(params, prompt_ids, param_names).with_defaults(self.generation_config)
 
-    def fit(self, params: SamplingParams, prompt_len: int, param_names: Mapping[str, str] | None = None) -> SamplingParams:
+    def fit(
+        self, params: SamplingParams, prompt_ids: Sequence[int], param_names: Mapping[str, str] | None = None
+    ) -> SamplingParams:
         """``max_tokens`` fitted to the context (unset: fill it; too large: refuse, as OpenAI does,
-        rather than answer shorter than asked) and token ids checked against the vocabulary.
-        ``param_names`` maps SamplingParams' field names to the caller's (e.g. max_completion_tokens)."""
+        rather than answer shorter than asked), token ids checked against the vocabulary, and a
+        structured-output constraint validated (and started after the reasoning, for an answer
+        that begins inside ``<think>``). ``param_names`` maps SamplingParams' field names to the
+        caller's (e.g. max_completion_tokens). For a batch of prompts, pass the longest."""
         names = dict(param_names or {})
+        prompt_len = len(prompt_ids)
         room = self.max_model_len - prompt_len
         if params.max_tokens is None:
             params = self._replace(params, names, max_tokens=room)
@@ -136,6 +143,23 @@ class InputProcessor:
             raise PromptError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise PromptError("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
+        if params.structured_outputs is not None:
+            params = self._constrain(params, prompt_ids, names)
+        return params
+
+    def _constrain(self, params: SamplingParams, prompt_ids: Sequence[int], names: Mapping[str, str]) -> SamplingParams:
+        spec = params.structured_outputs
+        assert spec is not None
+        try:
+            validate_structured_outputs(spec)  # a bad schema is the caller's 400, before any engine work
+        except SamplingParamsError as exc:
+            raise PromptError(names.get(exc.param, exc.param), str(exc)) from exc
+        think_end = self.tokenizer.token_to_id(THINK_END)
+        if spec.start_after_token_id is None and self.reasoning and think_end is not None:
+            if self.starts_in_reasoning(prompt_ids):
+                # reasoning_content stays free text; the answer after </think> obeys the constraint.
+                spec = dataclasses.replace(spec, start_after_token_id=think_end)
+                params = dataclasses.replace(params, structured_outputs=spec)
         return params
 
     @staticmethod
@@ -180,7 +204,7 @@ class InputProcessor:
                 )
         return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)
 
-    def chat_parser(self, tools: bool, prefix: str = "") -> ChatParserFactory:
+    def chat_parser(self, tools: bool) -> ChatParserFactory:
         """A factory of per-choice reasoning / tool-call parsers for chat answers to a prompt."""
 
         def make(prompt_ids: Sequence[int]) -> ChatOutputParser | None:
@@ -190,7 +214,6 @@ class InputProcessor:
                 reasoning=self.reasoning,
                 starts_in_reasoning=self.starts_in_reasoning(prompt_ids),
                 tools=tools,
-                prefix=prefix,
             )
 
         return make
@@ -200,4 +223,4 @@ class InputProcessor:
         closing it (a template that opens it, or continue_final_message inside a thought)."""
         tail = self.tokenizer.decode(list(prompt_ids[-256:]), skip_special_tokens=False)
         tail = tail[tail.rfind("<|im_start|>") + 1 :]
-        return tail.rfind("<think>") > tail.rfind("</think>")
+        return tail.rfind(THINK_START) > tail.rfind(THINK_END)

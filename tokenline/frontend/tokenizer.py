@@ -200,6 +200,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def added_token_ids(self, texts: Sequence[str]) -> dict[str, int]:
+        """Ids of those ``texts`` that the vocabulary holds as single added tokens."""
+        added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+        return {text: added[text] for text in texts if text in added}
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
