@@ -136,3 +136,7 @@ def test_the_server_still_serves_after_the_400s(server: Server, client: openai.O
     assert client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=3).choices
     metrics = server.metrics()
     assert metrics["vllm:num_requests_running"] == 0
+    # Every distinct spec above compiled once; the repeated ones (n=3 choices) hit the cache.
+    assert metrics["tokenline_grammar_compiles_total"] >= 5
+    assert metrics["tokenline_grammar_cache_hits_total"] >= 2
+    assert metrics["tokenline_grammar_compile_seconds_total"] > 0

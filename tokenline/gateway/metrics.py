@@ -67,6 +67,11 @@ class _EngineCollector(Collector):
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_decode_num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       stats.spec_decode_num_accepted_tokens)
+        yield counter("tokenline_grammar_compiles", "Structured-output grammars compiled.", stats.grammar_compile_count)
+        yield counter("tokenline_grammar_compile_seconds", "Seconds spent compiling grammars.",
+                      stats.grammar_compile_seconds_sum)
+        yield counter("tokenline_grammar_cache_hits", "Constrained requests whose grammar was already compiled.",
+                      stats.grammar_cache_hits)
         yield GaugeMetricFamily("tokenline_kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_kv_blocks)
         yield GaugeMetricFamily("tokenline_kv_cache_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks)
         yield GaugeMetricFamily(
