@@ -364,3 +364,20 @@ def test_offline_bad_specs_and_engine_compile_failures_raise_naming_the_field(
         smol.generate("x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="[0-9]+")))
     assert exc.value.param == "structured_outputs.grammar"
     assert_pool_empty(smol)
+
+
+def test_tokens_the_grammar_forces_are_appended_without_sampling_them(smol: LLM) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+              "role": {"enum": ["administrator", "user"]}}, "required": ["name", "role"],
+              "additionalProperties": False}
+    spec = StructuredOutputs(json=schema)
+    params = SamplingParams(temperature=0, max_tokens=60, logprobs=1, structured_outputs=spec)
+    out = smol.chat([{"role": "user", "content": "A person as JSON."}], params)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.finish_reason == "stop"
+    # `{"name":"` and `","role":"` are forced: fewer engine steps than tokens, one logprob per token,
+    # and a forced token's logprob is 0 (probability 1 under the mask).
+    assert out.timings is not None and out.timings.num_steps < len(out.token_ids)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    assert sum(1 for lp in out.logprobs if lp.logprob == 0.0) >= len(out.token_ids) - out.timings.num_steps
+    assert_pool_empty(smol)

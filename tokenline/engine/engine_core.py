@@ -25,6 +25,7 @@ from tokenline.engine.messages import (
     FinishReason,
     RequestFailed,
     StepRecord,
+    TokenLogprobs,
 )
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
@@ -251,10 +252,16 @@ class EngineCore:
 
     def _output(self, request: Request, new_token_ids: list[int], token: SampledToken | None) -> EngineOutput:
         finish: FinishReason | None = request.finish_reason
+        logprobs = None
+        if token is not None and token.logprobs is not None:
+            # Tokens the grammar forced after the sampled one had no choice: probability 1 under the
+            # mask. (Requests with logprobs never draft, so every further token here is forced.)
+            forced = [TokenLogprobs(0.0, [(t, 0.0)] if token.logprobs.top else []) for t in new_token_ids[1:]]
+            logprobs = [token.logprobs, *forced]
         return EngineOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
-            new_logprobs=[token.logprobs] if token is not None and token.logprobs is not None else None,
+            new_logprobs=logprobs,
             finish_reason=finish,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,

@@ -200,6 +200,8 @@ class Scheduler:
             # the rejected drafts' slots hold garbage that later tokens overwrite.
             request.num_computed_tokens += seq.num_tokens - len(seq.draft_token_ids) + len(new_token_ids) - 1
             self.kv_cache.cache_full_blocks(request)
+            if reason is None and request.grammar is not None:
+                reason = self._fast_forward(request, new_token_ids)
             if request.timings.first_token is None:
                 request.timings.first_token = now
             request.timings.last_token = now
@@ -270,6 +272,22 @@ class Scheduler:
         fill_bitmasks(bitmask, [(grammar, row, seq.draft_token_ids) for seq, grammar, row in constrained])
         for seq, _, row in constrained:
             seq.grammar_bitmask = bitmask[row : row + 1 + len(seq.draft_token_ids)]
+
+    def _fast_forward(self, request: Request, new_token_ids: list[int]) -> FinishReason | None:
+        """Append the tokens the grammar forces next, unsampled: the next step computes their KV
+        in one chunk (they are just tokens not yet computed) and samples after the last of them."""
+        assert request.grammar is not None
+        reason = None
+        room = min(request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens)
+        for token_id in request.grammar.forced_tokens()[: max(0, room)]:
+            request.token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason in (None, FinishReason.LENGTH):
+                reason = self._advance_grammar(request, token_id) or reason
+            if reason is not None:
+                break
+        return reason
 
     def _advance_grammar(self, request: Request, token_id: int) -> FinishReason | None:
         """Feed an accepted token to the request's matcher: STOP once the grammar is complete and

@@ -115,6 +115,11 @@ class GrammarState:
         """How many of ``token_ids`` (e.g. draft tokens) the grammar accepts from here, in order."""
         return self.matcher.validate_tokens(list(token_ids)) if token_ids else 0
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar allows as the only continuation from here (``{"name":"`` after
+        ``{`` in a schema with one required key): appended without sampling them one by one."""
+        return self.matcher.compute_ff_tokens() if self.active else []
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and admits nothing more (EOS aside): the output is finished."""
