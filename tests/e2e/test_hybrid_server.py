@@ -129,6 +129,20 @@ def test_required_and_named_tool_calls_always_parse(hybrid: Server, tool_choice:
     assert names and streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_required_tool_calls_through_the_openai_sdk(hybrid: Server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=hybrid.api_url, api_key="none", max_retries=0)
+    completion = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=ENUM_TOOLS, tool_choice="required",
+        max_tokens=120, temperature=1.0, seed=11, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time") and json.loads(call.function.arguments)
+
+
 def test_tool_choice_naming_an_unknown_tool_is_a_400(hybrid: Server) -> None:
     response = chat(hybrid, messages=[{"role": "user", "content": "x"}], tools=TOOLS,
                     tool_choice={"type": "function", "function": {"name": "nope"}})
