@@ -192,6 +192,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         input_len=args.input_len, output_len=args.output_len, seed=args.seed, model=args.model,
         api_key=args.api_key, endpoint=args.endpoint, tokenizer_dir=args.tokenizer_dir,
         shared_prefix_len=args.shared_prefix_len, timeout=args.timeout,
+        extra_body=json.loads(args.extra_body) if args.extra_body else {},
     )
     report = asyncio.run(run_bench_serve(config))
     print(report.format_table())
@@ -336,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-dir", default=None, help="tokenizer for the random ids (default: the default model's)")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help='fields merged into every request, e.g. \'{"structured_outputs": {"json": {...}}}\'')
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_serve)
 

@@ -223,9 +223,11 @@ def test_no_usage_counts_chunks_and_chat_endpoint(fake_server: tuple[str, FakeSt
     base_url, state = fake_server
     state.reset(send_usage=False, first_delay=0.05, chunk_delay=0.01)
     config = BenchServeConfig(base_url=base_url, concurrency=2, num_prompts=3, input_len=16, output_len=5,
-                              endpoint="chat", model="named", tokenizer_dir=str(tokenizer_dir))
+                              endpoint="chat", model="named", tokenizer_dir=str(tokenizer_dir),
+                              extra_body={"response_format": {"type": "json_object"}})
     report = run(config)
     assert (report.completed, report.failed) == (3, 0)
+    assert all(body["response_format"] == {"type": "json_object"} for body in state.bodies)
     assert report.usage_reported == 0 and report.total_output_tokens == 15
     assert report.input_len_exact is False and "approximate" in report.format_table()
     for body in state.bodies:

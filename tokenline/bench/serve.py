@@ -39,6 +39,9 @@ class BenchServeConfig:
     tokenizer_dir: str | None = None  # None: the default model's tokenizer
     shared_prefix_len: int = 0
     timeout: float = 600.0  # seconds, per request, from send to the end of the stream
+    # Fields merged into every request body, e.g. {"response_format": {...}} to load a server with
+    # structured output (as vLLM's bench client's --extra-body).
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -342,6 +345,7 @@ async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
             "max_tokens": config.output_len,
             "ignore_eos": True,
             "temperature": 0,
+            **config.extra_body,
         }
         payloads: list[dict[str, Any]] = []
         for ids in prompts:
