@@ -187,12 +187,20 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from tokenline.bench.serve import BenchServeConfig, run_bench_serve
 
+    try:
+        extra_body = json.loads(args.extra_body) if args.extra_body else {}
+    except json.JSONDecodeError as e:
+        print(f"tokenline bench serve: --extra-body is not valid JSON: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(extra_body, dict):
+        print("tokenline bench serve: --extra-body must be a JSON object", file=sys.stderr)
+        return 2
     config = BenchServeConfig(
         base_url=args.base_url, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, seed=args.seed, model=args.model,
         api_key=args.api_key, endpoint=args.endpoint, tokenizer_dir=args.tokenizer_dir,
         shared_prefix_len=args.shared_prefix_len, timeout=args.timeout,
-        extra_body=json.loads(args.extra_body) if args.extra_body else {},
+        extra_body=extra_body,
     )
     report = asyncio.run(run_bench_serve(config))
     print(report.format_table())
