@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -68,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,  # vLLM's variable, as a fallback
         keys_file=args.keys,
         redis_url=args.redis_url,
         usage_db=args.usage_db,
@@ -262,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model argument)")
-    p.add_argument("--api-key", default=None, help="require this key as a Bearer token on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require this key as a Bearer token on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     p.add_argument("--keys", default=None, help="TOML file of tenants (hashed keys, models, limits); see README")
     p.add_argument("--redis-url", default=None, help="share rate-limit state between servers through Redis")
     p.add_argument("--usage-db", default=None, help="SQLite usage ledger (default: $TOKENLINE_HOME/usage.sqlite3)")

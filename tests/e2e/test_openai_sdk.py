@@ -586,3 +586,10 @@ def test_served_model_name(keyed_server: Server) -> None:
             sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         ok = sdk.completions.create(model="other", prompt=FRANCE_PROMPT, max_tokens=2, temperature=0)
         assert ok.model == "other" and ok.usage.completion_tokens == 2
+
+
+def test_vllm_api_key_variable_is_the_default_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")  # start_server hands the environment on
+    with start_server(tmp_path) as server, httpx.Client(base_url=server.base_url, timeout=30) as http:
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200

@@ -140,3 +140,22 @@ def test_the_official_client_talks_to_the_gateway(gateway_app) -> None:
         model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 3
+
+
+def test_ping_model_card_and_metrics_at_zero_on_a_fresh_server(gateway_app) -> None:
+    client, _, _ = gateway_app
+    assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    card = client.get("/v1/models/fake-model", headers=auth).json()
+    assert card["id"] == "fake-model" and card["object"] == "model" and card["created"] > 1_700_000_000
+    assert client.get("/v1/models", headers=auth).json()["data"] == [card]
+    missing = client.get("/v1/models/other", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    # Before any request, every per-request series is there at zero (dashboards show 0, not "no data").
+    metrics = client.get("/metrics").text
+    for series in ('vllm:prompt_tokens_total{model_name="fake-model"} 0.0',
+                   'vllm:generation_tokens_total{model_name="fake-model"} 0.0',
+                   'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 0.0',
+                   'vllm:request_success_total{finished_reason="stop",model_name="fake-model"} 0.0',
+                   'vllm:e2e_request_latency_seconds_count{model_name="fake-model"} 0.0'):
+        assert series in metrics, series

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -158,26 +159,38 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    created = int(time.time())  # when this server started serving the model
+
+    def model_card() -> dict[str, Any]:
+        info = client.info
+        return {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenline",
+            "root": str(model_dir),
+            "max_model_len": info.max_model_len if info else None,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        info = client.info
-        tenant = request.state.tenant
-        visible = gateway.allows_model(tenant, served_model_name)
-        cards = [
-            {
-                "id": served_model_name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "tokenline",
-                "root": str(model_dir),
-                "max_model_len": info.max_model_len if info else None,
-            }
-        ]
-        return {"object": "list", "data": cards if visible else []}
+        visible = gateway.allows_model(request.state.tenant, served_model_name)
+        return {"object": "list", "data": [model_card()] if visible else []}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        if model_id != served_model_name or not gateway.allows_model(request.state.tenant, model_id):
+            raise APIError.not_found(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -123,6 +123,15 @@ class ServerMetrics:
         self.spend = Counter("tokenline_spend_usd", "Spend recorded in the usage ledger (USD).",
                              ["tenant", "model_name"], registry=r)
 
+        # Every per-request series exists at zero from start-up, as vLLM's do, so a dashboard of a
+        # fresh server shows 0 rather than "no data".
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
+                       self.queue, self.prefill, self.decode, self.request_prompt_tokens,
+                       self.request_generation_tokens):
+            family.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+
     def first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model_name).observe(ttft_s)
 
