@@ -124,6 +124,8 @@ def test_required_and_named_tool_calls_always_parse(hybrid: Server, tool_choice:
         if isinstance(tool_choice, dict):
             assert [c["function"]["name"] for c in calls] == ["get_time"]
     streamed = stream_chunks(hybrid, **{**body, "seed": 7})
+    # While the parser holds a call back, nothing is sent: no chunk with an empty delta.
+    assert all(c["choices"][0]["delta"] or c["choices"][0]["finish_reason"] for c in streamed if c["choices"])
     names = [tc["function"]["name"] for c in streamed for tc in (c["choices"][0]["delta"].get("tool_calls") or [])
              if c["choices"] and tc.get("function", {}).get("name")]
     assert names and streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"

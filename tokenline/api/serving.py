@@ -343,6 +343,9 @@ class OpenAIServing:
             finish_reason = choice.finish_reason
             if choice.chat_output is not None:
                 message, finish_reason = _shaped_delta(choice, delta)
+                if not (message.content or message.reasoning_content or message.tool_calls or finish_reason
+                        or (want_logprobs and logprobs)):
+                    return out  # a parser holds the text back (a tool call in the making): no empty delta
             entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
             if want_logprobs:
                 ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
