@@ -21,7 +21,10 @@ import torch
 from tokenline.engine.config import EngineConfig
 
 if TYPE_CHECKING:
+    from tokenline.engine.messages import EngineStats
     from tokenline.frontend.tokenizer import Tokenizer
+    from tokenline.llm import LLM
+    from tokenline.sampling_params import SamplingParams
 
 # The passage of the `repeat` workload: each prompt shuffles these sentences with its own seed.
 PASSAGE_SENTENCES = [
@@ -109,6 +112,16 @@ def run_tokenline(model_dir: Path, prompts: list[list[int]], output_len: int, co
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.engine.kv_cache.pool.reset_prefix_cache()  # the warm-up prompt must not flatter the run
+    result, _, _ = _timed_generate(llm, prompts, params, config)
+    del llm
+    gc.collect()
+    return result
+
+
+def _timed_generate(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, config: EngineConfig, constraint: str = "none"
+) -> tuple[ThroughputResult, EngineStats, EngineStats]:
+    """One timed ``generate`` of every prompt, and the engine's stats before and after it."""
     before = llm.engine.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -124,10 +137,9 @@ def run_tokenline(model_dir: Path, prompts: list[list[int]], output_len: int, co
         speculative=config.speculative or "off",
         draft_tokens=after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
         accepted_tokens=after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+        constraint=constraint,
     )
-    del llm
-    gc.collect()
-    return result
+    return result, before, after
 
 
 @dataclass
@@ -183,28 +195,15 @@ def run_tokenline_structured(
     for _ in range(repeats):
         for structured in (None, spec):
             llm.engine.kv_cache.pool.reset_prefix_cache()
-            before = llm.engine.stats()
             params = SamplingParams(
                 temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=structured
             )
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params)
-            elapsed = time.perf_counter() - start
-            after = llm.engine.stats()
+            constraint = "none" if structured is None else "json"
+            result, before, after = _timed_generate(llm, prompts, params, config, constraint)
             if structured is not None:
                 compiles += after.grammar_compile_count - before.grammar_compile_count
                 hits += after.grammar_cache_hits - before.grammar_cache_hits
-            result = ThroughputResult(
-                "tokenline",
-                str(llm.engine.runner.dtype).removeprefix("torch."),
-                len(prompts),
-                sum(len(p) for p in prompts),
-                sum(len(o.outputs[0].token_ids) for o in outputs),
-                elapsed,
-                speculative=config.speculative or "off",
-                constraint="none" if structured is None else "json",
-            )
-            if result.constraint not in best or elapsed < best[result.constraint].elapsed_s:
+            if constraint not in best or result.elapsed_s < best[constraint].elapsed_s:
                 best[result.constraint] = result
     compile_ms = [compiler.compile(spec).seconds * 1e3 for _ in range(num_compiles)]
     bench = StructuredBench(best["none"], best["json"], compile_ms, compiles, hits)
