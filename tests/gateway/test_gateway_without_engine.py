@@ -116,6 +116,10 @@ def test_streaming_and_n_fan_out_through_a_remote_shaped_engine(gateway_app) -> 
     assert text == {0: REPLY, 1: REPLY}
     assert events[-1]["usage"]["completion_tokens"] == 2 * len(engine.reply_ids)
     assert len(engine.requests) == 2 and engine.requests[0].sampling.n == 1
+    # Each of the n sequences is one engine request in the per-request series, TTFT included.
+    metrics = client.get("/metrics").text
+    assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in metrics
+    assert 'vllm:e2e_request_latency_seconds_count{model_name="fake-model"} 2.0' in metrics
 
 
 def test_limits_hold_without_a_local_engine(gateway_app) -> None:

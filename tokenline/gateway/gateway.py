@@ -166,9 +166,10 @@ class Gateway:
     # --- observation ---------------------------------------------------------------------------
 
     def first_token(self, ctx: RequestContext, at: float) -> None:
-        if "first_token" not in ctx.trace.stamps:
-            ctx.trace.mark("first_token", at)
-            self.metrics.first_token(at - ctx.arrival)
+        """One sequence's first token: TTFT is observed per engine request (each of ``n``), the
+        trace keeps the request's earliest."""
+        ctx.trace.mark("first_token", at)
+        self.metrics.first_token(at - ctx.arrival)
 
     def inter_token(self, ctx: RequestContext, at: float, seconds: float) -> None:
         self.metrics.inter_token(seconds)
