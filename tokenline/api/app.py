@@ -145,7 +145,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
 
     # The only middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
     app.add_middleware(
-        Door, max_request_bytes=settings.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics
+        Door, max_request_bytes=gateway.limits.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics
     )
 
     def context(request: Request, model: str | None) -> RequestContext:

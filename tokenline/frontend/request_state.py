@@ -8,7 +8,6 @@ whose text ended while the engine still runs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason, TokenLogprobs
@@ -91,9 +90,6 @@ class RequestState:
 
     def in_order(self) -> list[SequenceState]:
         return sorted(self.sequences.values(), key=lambda s: s.index)
-
-    def __iter__(self) -> Iterator[SequenceState]:
-        return iter(self.sequences.values())
 
     def running_in_engine(self) -> list[str]:
         """Engine requests whose final output has not arrived (what an abort must reach)."""
