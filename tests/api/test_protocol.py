@@ -274,13 +274,19 @@ def test_context_length(client: TestClient, processor: InputProcessor) -> None:
         ("prediction", {"type": "content", "content": "x"}),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
-        ("reasoning_effort", "low"),
         ("verbosity", "low"),
         ("web_search_options", {}),
     ],
 )
 def test_unsupported_chat_fields(client: TestClient, field: str, value: Any) -> None:
     assert "not supported" in assert_error(chat(client, **{field: value}), 400, field)
+
+
+def test_reasoning_effort_is_accepted_and_checked(client: TestClient) -> None:
+    for effort in ("none", "minimal", "low", "medium", "high"):
+        assert chat(client, reasoning_effort=effort).status_code == 200
+    message = assert_error(chat(client, reasoning_effort="extreme"), 400, "reasoning_effort")
+    assert "'high'" in message  # the error lists the accepted values
 
 
 def test_structured_output_fields_map_onto_one_spec() -> None:

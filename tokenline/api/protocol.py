@@ -36,6 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tokenline.frontend.thinking import ReasoningEffort
 from tokenline.gateway.errors import APIError
 from tokenline.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputs
 
@@ -222,7 +223,6 @@ UNSUPPORTED_CHAT_FIELDS: tuple[_Unsupported, ...] = (
     _Unsupported("prediction", _unset, "predicted outputs"),
     _Unsupported("audio", _unset, "audio output"),
     _Unsupported("modalities", lambda v: v is None or v == ["text"], "non-text output"),
-    _Unsupported("reasoning_effort", _unset, "reasoning effort"),
     _Unsupported("verbosity", _unset, "verbosity control"),
     _Unsupported("web_search_options", _unset, "web search"),
 )
@@ -417,7 +417,8 @@ class ChatCompletionRequest(_GenerationRequest):
     prediction: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    reasoning_effort: str | None = None
+    # Mapped onto the chat template's thinking switch where it has one (frontend/thinking.py).
+    reasoning_effort: ReasoningEffort | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
     # vLLM chat-template extensions.

@@ -134,6 +134,7 @@ class OpenAIServing:
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs,
+            reasoning_effort=getattr(request, "reasoning_effort", None),
         )
         if ctx is not None:
             ctx.trace.mark("rendered")

@@ -18,6 +18,7 @@ from tokenline.frontend.chat_template import ChatTemplateError
 from tokenline.frontend.reasoning import THINK_END, THINK_START
 from tokenline.frontend.request_state import RequestState, SequenceState
 from tokenline.frontend.text_stream import TextStream
+from tokenline.frontend.thinking import has_thinking_switch, thinking_kwargs
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.model.grammar import validate as validate_structured_outputs
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
@@ -65,15 +66,18 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
-        """The conversation rendered with the model's own chat template (special tokens as text)."""
+        """The conversation rendered with the model's own chat template (special tokens as text).
+        ``reasoning_effort`` sets the template's thinking switch, if it has one."""
+        switch = has_thinking_switch(self.tokenizer.chat_templates.values())
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages),
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
+                chat_template_kwargs=thinking_kwargs(reasoning_effort, chat_template_kwargs, switch),
             )
         except ChatTemplateError as exc:
             raise PromptError("messages", f"the chat template rejected the messages: {exc}") from exc
