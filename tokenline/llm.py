@@ -46,13 +46,20 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | Path | None = None, *, allow_special_tokens_in_content: bool = False, **engine_args: Any
+    ) -> None:
+        """``allow_special_tokens_in_content``: special-token strings in text prompts and message
+        content become special tokens (as the server's flag of that name); by default they are text."""
         self.model_dir = resolve_model(model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.engine_config = EngineConfig(**engine_args)
         self.engine = build_engine_core(self.engine_config, self.model_dir, self.tokenizer.vocab_size)
         self.generation_config: dict[str, Any] = self.engine.runner.config.generation_config
-        self.processor = InputProcessor(self.tokenizer, self.generation_config, lambda: self.engine.max_model_len)
+        self.processor = InputProcessor(
+            self.tokenizer, self.generation_config, lambda: self.engine.max_model_len,
+            allow_special_tokens_in_content=allow_special_tokens_in_content,
+        )
         self._ids = itertools.count()
 
     def generate(

@@ -108,3 +108,11 @@ def test_a_constraint_is_validated_and_starts_after_the_reasoning(processor: Inp
     assert thinking.fit(SamplingParams(structured_outputs=spec), closed).structured_outputs == spec
     # Without a reasoning parser the answer is constrained from its first token.
     assert processor.fit(SamplingParams(structured_outputs=spec), [0] * 10).structured_outputs == spec
+
+
+def test_omitted_max_tokens_is_capped(processor: InputProcessor) -> None:
+    # --max-tokens-cap: the gateway refuses an explicit max_tokens above it; an omitted one gets it.
+    assert processor.fit(SamplingParams(max_tokens=None), [0] * 10, max_tokens_cap=5).max_tokens == 5
+    assert processor.fit(SamplingParams(max_tokens=None), [0] * 60, max_tokens_cap=5).max_tokens == CONTEXT - 60
+    assert processor.fit(SamplingParams(max_tokens=3), [0] * 10, max_tokens_cap=5).max_tokens == 3
+    assert processor.resolve(SamplingParams(max_tokens=None), [0] * 10, max_tokens_cap=5).max_tokens == 5

@@ -8,18 +8,20 @@ keep their newlines) changes the prompt the model sees.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "compile_template", "render_chat_template"]
+__all__ = ["ChatTemplateError", "compile_template", "load_chat_template", "plain_data", "render_chat_template"]
 
 
 class ChatTemplateError(ValueError):
@@ -114,6 +116,28 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's ``--chat-template``: a file's contents, or the value itself when it is an inline
+    template (it has ``{``, ``}`` or a newline, and ``\\n`` escapes are decoded, as vLLM does).
+    Raises ``ValueError`` for a path-like value naming no file, ``ChatTemplateError`` for a
+    template that does not compile."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # an inline template may be longer than a file name can be
+        is_file = False
+    if is_file:
+        template = path.read_text(encoding="utf-8")
+    elif any(c in value for c in "{}\n"):
+        # A shell cannot pass a newline easily, so "\\n" stands for one (only in ASCII text,
+        # which the decoder reads as Latin-1).
+        template = codecs.decode(value, "unicode_escape") if value.isascii() else value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor an inline Jinja template")
+    compile_template(template)  # a broken template fails at start-up, not on the first request
+    return template
+
+
 @lru_cache(maxsize=64)
 def compile_template(template: str) -> jinja2.Template:
     """Compile a chat template once; later calls with the same source reuse it."""
@@ -150,6 +174,11 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item") and type(value).__module__ == "numpy":
         return _plain(value.item())
     return f"<{type(value).__name__}>"
+
+
+def plain_data(value: Any) -> Any:
+    """Caller data rebuilt out of plain JSON-like types, as the template will see it."""
+    return _plain(value)
 
 
 def _prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:

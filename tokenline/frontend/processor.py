@@ -20,6 +20,7 @@ from tokenline.frontend.request_state import RequestState, SequenceState
 from tokenline.frontend.text_stream import TextStream
 from tokenline.frontend.thinking import has_thinking_switch, thinking_kwargs
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.frontend.user_text import RenderedChat
 from tokenline.model.grammar import validate as validate_structured_outputs
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
 
@@ -44,13 +45,17 @@ class InputProcessor:
         generation_config: Mapping[str, Any],
         max_model_len: Callable[[], int],
         reasoning: bool = False,
+        allow_special_tokens_in_content: bool = False,
     ) -> None:
         """``max_model_len`` is asked when needed: a server learns it once its engine is ready.
-        ``reasoning``: the model's answers start with a thought (a reasoning parser is on)."""
+        ``reasoning``: the model's answers start with a thought (a reasoning parser is on).
+        ``allow_special_tokens_in_content``: the operator's opt-in to tokenize special-token
+        strings in message content and text prompts as special tokens (by default they are text)."""
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config)
         self._max_model_len = max_model_len
         self.reasoning = reasoning
+        self.allow_special_tokens_in_content = allow_special_tokens_in_content
 
     @property
     def max_model_len(self) -> int:
@@ -67,17 +72,19 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         reasoning_effort: str | None = None,
-    ) -> str:
-        """The conversation rendered with the model's own chat template (special tokens as text).
+    ) -> RenderedChat:
+        """The conversation rendered with the model's own chat template: text that also remembers
+        where caller strings held special-token strings, for ``encode_rendered``.
         ``reasoning_effort`` sets the template's thinking switch, if it has one."""
         switch = has_thinking_switch(self.tokenizer.chat_templates.values())
         try:
-            return self.tokenizer.apply_chat_template(
+            return self.tokenizer.render_chat(
                 list(messages),
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=thinking_kwargs(reasoning_effort, chat_template_kwargs, switch),
+                parse_special_tokens=self.allow_special_tokens_in_content,
             )
         except ChatTemplateError as exc:
             raise PromptError("messages", f"the chat template rejected the messages: {exc}") from exc
@@ -85,13 +92,17 @@ class InputProcessor:
             raise PromptError("messages", str(exc)) from exc
 
     def encode_rendered(self, text: str) -> list[int]:
-        """Token ids of rendered chat text: the template already wrote any BOS it wants."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of ``render_chat_text``'s text: the template's markup gives special tokens, the
+        caller's text never does (the template already wrote any BOS it wants)."""
+        return self.tokenizer.encode_chat(text)
 
     def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
-        """A text prompt tokenized, or a token-id prompt as a list (checked by ``check_prompt``)."""
+        """A text prompt tokenized (special-token strings in it are text unless the operator opted
+        in), or a token-id prompt as a list (checked by ``check_prompt``)."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(
+                prompt, add_special_tokens=add_special_tokens, parse_special_tokens=self.allow_special_tokens_in_content
+            )
         return list(prompt)
 
     def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
@@ -115,16 +126,25 @@ class InputProcessor:
     # --- parameters ----------------------------------------------------------------------------
 
     def resolve(
-        self, params: SamplingParams, prompt_ids: Sequence[int], param_names: Mapping[str, str] | None = None
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        param_names: Mapping[str, str] | None = None,
+        max_tokens_cap: int | None = None,
     ) -> SamplingParams:
         """Parameters as the engine will run them: fitted to the model (``fit``), then unset fields
         from the model's generation config."""
-        return self.fit(params, prompt_ids, param_names).with_defaults(self.generation_config)
+        return self.fit(params, prompt_ids, param_names, max_tokens_cap).with_defaults(self.generation_config)
 
     def fit(
-        self, params: SamplingParams, prompt_ids: Sequence[int], param_names: Mapping[str, str] | None = None
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        param_names: Mapping[str, str] | None = None,
+        max_tokens_cap: int | None = None,
     ) -> SamplingParams:
-        """``max_tokens`` fitted to the context (unset: fill it; too large: refuse, as OpenAI does,
+        """``max_tokens`` fitted to the context (unset: fill it, up to the server's
+        ``max_tokens_cap``; too large: refuse, as OpenAI does,
         rather than answer shorter than asked), token ids checked against the vocabulary, and a
         structured-output constraint validated (and started after the reasoning, for an answer
         that begins inside ``<think>``). ``param_names`` maps SamplingParams' field names to the
@@ -133,7 +153,8 @@ class InputProcessor:
         prompt_len = len(prompt_ids)
         room = self.max_model_len - prompt_len
         if params.max_tokens is None:
-            params = self._replace(params, names, max_tokens=room)
+            # The gateway refuses an explicit max_tokens above the cap; an omitted one is capped here.
+            params = self._replace(params, names, max_tokens=room if max_tokens_cap is None else min(room, max_tokens_cap))
         elif params.max_tokens > room:
             raise PromptError(
                 names.get("max_tokens", "max_tokens"),

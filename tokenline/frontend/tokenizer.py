@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
-from tokenline.frontend.chat_template import ChatTemplateError, render_chat_template
+from tokenline.frontend.chat_template import ChatTemplateError, plain_data, render_chat_template
+from tokenline.frontend.user_text import RenderedChat, SpecialTokenGuard
 
 __all__ = ["Tokenizer"]
 
@@ -177,9 +179,16 @@ class Tokenizer:
         """The Rust tokenizer (for DecodeStream and batch calls)."""
         return self._backend
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS token)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS token).
+        `parse_special_tokens=False`: special-token strings in `text` are tokenized as text (user text)."""
+        backend = self._backend if parse_special_tokens else self.guard.text_backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def guard(self) -> SpecialTokenGuard:
+        """Keeps special-token strings in user text from becoming special tokens (built on first use)."""
+        return SpecialTokenGuard(self._backend)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -253,6 +262,11 @@ class Tokenizer:
         """All named templates (most models have only "default")."""
         return dict(self._chat_templates)
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's templates (vLLM's ``--chat-template``): this one renders every
+        conversation, with tools or without."""
+        self._chat_templates = {"default": template}
+
     def _pick_template(self, tools: Sequence[Any] | None) -> str:
         if tools is not None and "tool_use" in self._chat_templates:
             return self._chat_templates["tool_use"]
@@ -263,6 +277,46 @@ class Tokenizer:
                 f"model has several chat templates and no default: {sorted(self._chat_templates)}"
             )
         raise ChatTemplateError("model has no chat template")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        parse_special_tokens: bool = False,
+    ) -> RenderedChat:
+        """Render the conversation for `encode_chat`: special-token strings in any caller string
+        (contents, names, tool calls and results, tool schemas, template kwargs) stay text, unless
+        `parse_special_tokens` (the operator's opt-in). The text is `apply_chat_template`'s."""
+        template = self._pick_template(tools)
+
+        def render(messages: Any, tools: Any, kwargs: Any) -> str:
+            return render_chat_template(
+                template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                special_tokens=self._special_tokens,
+                chat_template_kwargs=kwargs,
+            )
+
+        if parse_special_tokens:
+            return RenderedChat(render(messages, tools, chat_template_kwargs))  # all of it template text
+        data = plain_data([list(messages), list(tools) if tools is not None else None, dict(chat_template_kwargs or {})])
+        (messages, tools, kwargs), originals = self.guard.escape(data, avoid=template)
+        marked = render(messages, tools, kwargs)
+        return RenderedChat(self.guard.restore(marked, originals), marked, originals)
+
+    def encode_chat(self, rendered: str) -> list[int]:
+        """Ids of a rendered conversation: the template's special tokens are special ids, caller
+        text is text (for benign input, exactly `encode(rendered, add_special_tokens=False)`).
+        Plain text (not a `RenderedChat`) is all template: its special-token strings are parsed."""
+        if not isinstance(rendered, RenderedChat) or not rendered.originals:
+            return self.encode(rendered, add_special_tokens=False)
+        return self.guard.encode(rendered)
 
     def apply_chat_template(
         self,
