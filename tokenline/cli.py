@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tokenline.engine.client import RestartPolicy
 from tokenline.engine.config import EngineConfig, parse_kv_events_config
+from tokenline.serve_args import (
+    add_vllm_args,
+    check_model_argument,
+    check_tokenizer_argument,
+    check_vllm_args,
+    no_effect_warning,
+    quiet_request_logs,
+)
+
+if TYPE_CHECKING:
+    from tokenline.api.app import ServerSettings
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help="token budget of one step (prefill chunks + decodes)")
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help="turn off prefix caching (on by default)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching, help="reuse cached prompt prefixes (on by default)")
     parser.add_argument("--speculative", default=None, choices=["ngram"],
                         help="speculative decoding for greedy requests; ngram: drafts looked up in the context")
     parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
@@ -61,9 +75,32 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from tokenline.api.app import ServerSettings, serve
+    from tokenline.api.app import serve
 
+    try:
+        settings, idle = serve_settings_from_args(args)
+    except ValueError as exc:  # a value tokenline cannot honour: one line, no traceback
+        print(f"tokenline serve: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_request_logs(args)
+    if idle:
+        logging.getLogger("tokenline.serve").warning(no_effect_warning(idle))
+    return serve(settings)
+
+
+def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, list[str]]:
+    """The server's settings from ``serve``'s flags, and the accepted flags that have no effect
+    here. Raises ``ValueError`` (one-line message) for a value tokenline cannot honour."""
+    from tokenline.api.app import ServerSettings, door_policy
+    from tokenline.frontend.chat_template import load_chat_template
+    from tokenline.model.config import load_generation_config
+
+    idle = check_vllm_args(args)
+    check_model_argument(args.model)
+    check_tokenizer_argument(args.tokenizer)
+    if args.generation_config not in ("auto", "vllm"):
+        load_generation_config(args.generation_config, Path())  # a folder without the file fails now
     settings = ServerSettings(
         model=args.model,
         host=args.host,
@@ -75,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage_db=args.usage_db,
         prices_file=args.prices,
         log_prompts=args.log_prompts,
+        content_filter=args.content_filter,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         request_timeout=args.request_timeout or None,
@@ -82,10 +120,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         max_messages=args.max_messages,
         max_tokens_cap=args.max_tokens_cap,
-        engine=engine_config_from_args(args),
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+        generation_config=args.generation_config,
+        uvicorn_log_level=args.uvicorn_log_level,
+        engine=dataclasses.replace(engine_config_from_args(args), seed=args.seed, tokenizer=args.tokenizer),
+        engine_restart=restart_policy_from_args(args),
+        metrics_auth=args.metrics_auth,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metrics_tenant_labels=args.metrics_tenant_labels,
+        header_timeout=args.header_timeout or None,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections or None,
     )
-    serve(settings)
-    return 0
+    door_policy(settings)  # contradictory access flags (e.g. --metrics-auth admin without keys) fail here
+    return settings, idle
+
+
+def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy | None:
+    if args.engine_restart_max == 0:
+        return None  # a dead engine stays dead (the server keeps answering 503)
+    return RestartPolicy(args.engine_restart_max, args.engine_restart_window, args.engine_restart_backoff,
+                         args.engine_restart_backoff_max)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -262,25 +319,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file (default: SmolLM2)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the model argument)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients use, as vLLM's aliases; the first is reported (default: the model argument)")
     p.add_argument("--api-key", default=None,
-                   help="require this key as a Bearer token on /v1/* (default: $VLLM_API_KEY, as vLLM)")
+                   help="require this key as a Bearer token on every endpoint but /health, /ping and /live "
+                        "(default: $VLLM_API_KEY, as vLLM)")
     p.add_argument("--keys", default=None, help="TOML file of tenants (hashed keys, models, limits); see README")
     p.add_argument("--redis-url", default=None, help="share rate-limit state between servers through Redis")
     p.add_argument("--usage-db", default=None, help="SQLite usage ledger (default: $TOKENLINE_HOME/usage.sqlite3)")
     p.add_argument("--prices", default=None, help="TOML price table, USD per million tokens per model")
     p.add_argument("--log-prompts", action="store_true", help="include user text in logs (off by default)")
+    p.add_argument("--content-filter", default=None, metavar="FILE",
+                   help="safety filters (TOML or JSON [[content_filter]] tables) for tenants without their own")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="split <think>...</think> into the message's reasoning_content")
     p.add_argument("--tool-call-parser", default=None, choices=["qwen3", "hermes"],
                    help="turn <tool_call>{...}</tool_call> into OpenAI tool_calls (enables `tools`)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get a 413")
     p.add_argument("--max-messages", type=int, default=1024, help="most messages in one chat request")
-    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
+    p.add_argument(
+        "--max-tokens-cap", type=int, default=None,
+        help="largest max_tokens a request may ask for; also the max_tokens of requests that omit it",
+    )
+    p.add_argument(
+        "--allow-special-tokens-in-content", action="store_true",
+        help="tokenize special-token strings (<|im_end|>, ...) in message content and text prompts as special "
+        "tokens; by default user text stays text",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (0 = no limit)")
+    r = RestartPolicy()
+    p.add_argument("--engine-restart-max", type=int, default=r.max_restarts,
+                   help="restarts of a dead engine allowed within --engine-restart-window; one more death "
+                        "exits the server with status 3 (0 = never restart)")
+    p.add_argument("--engine-restart-window", type=float, default=r.window_s, help="seconds (crash-loop window)")
+    p.add_argument("--engine-restart-backoff", type=float, default=r.backoff_base_s,
+                   help="seconds before the first restart; doubles with each death in the window")
+    p.add_argument("--engine-restart-backoff-max", type=float, default=r.backoff_max_s,
+                   help="longest wait before a restart, in seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--metrics-auth", default=None, choices=["admin", "key", "none"],
+                   help="what /metrics needs when keys are configured (default: admin on the API's address, "
+                        "none on --metrics-port)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics on this port only (not on --port)")
+    p.add_argument("--metrics-host", default=None, help="address of the --metrics-port listener (default: --host)")
+    p.add_argument("--metrics-tenant-labels", action="store_true",
+                   help="label spend and rate-limit series with tenant names (off: no tenant names on /metrics)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a complete request head, else it is closed (0 = none)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections beyond which requests (probes excepted) get a 503 (0 = no cap)")
     add_engine_args(p)
+    add_vllm_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = commands.add_parser("plan", help="memory plan: weights, KV per token, state per sequence, sequences that fit")
@@ -395,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "kv_events_config", None):
         try:  # a bad flag is a usage error, not a traceback
             parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if hasattr(args, "engine_restart_max"):
+        try:
+            restart_policy_from_args(args)
         except ValueError as exc:
             parser.error(str(exc))
     return args.func(args)

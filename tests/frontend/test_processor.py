@@ -116,3 +116,5 @@ def test_omitted_max_tokens_is_capped(processor: InputProcessor) -> None:
     assert processor.fit(SamplingParams(max_tokens=None), [0] * 60, max_tokens_cap=5).max_tokens == CONTEXT - 60
     assert processor.fit(SamplingParams(max_tokens=3), [0] * 10, max_tokens_cap=5).max_tokens == 3
     assert processor.resolve(SamplingParams(max_tokens=None), [0] * 10, max_tokens_cap=5).max_tokens == 5
+    # A protocol default (completions' 16) is cut to the cap too, before the context check.
+    assert processor.fit(SamplingParams(max_tokens=16), [0] * 50, max_tokens_cap=5).max_tokens == 5

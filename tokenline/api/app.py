@@ -20,33 +20,49 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tokenline import __version__
 from tokenline.api.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
+from tokenline.api.http_protocol import guarded_protocol
+from tokenline.api.responses import ResponsesServing
+from tokenline.api.responses_protocol import ResponsesRequest
+from tokenline.api.body_check import reject_invalid_unicode
+from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
 from tokenline.api.serving import OpenAIServing
-from tokenline.engine.client import EngineClient
+from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.process_client import EngineProcessClient
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.door import Door
-from tokenline.gateway.errors import APIError, install_error_handlers
+from tokenline.gateway.door_policy import DoorPolicy, resolve_metrics_auth
+from tokenline.gateway.errors import APIError, install_error_handlers, shorten
+from tokenline.gateway.filters import load_filter_file
 from tokenline.gateway.gateway import Gateway, GatewayLimits, RequestContext
 from tokenline.gateway.keys import KeyStore
 from tokenline.gateway.ledger import PriceTable, UsageLedger, default_ledger_path, parse_time
 from tokenline.gateway.metrics import ServerMetrics, StatsSource
 from tokenline.gateway.rate_limit import make_rate_limiter
-from tokenline.model.config import ModelConfig
+from tokenline.gateway.response_store import ResponseStore
+from tokenline.model.config import ModelConfig, load_generation_config
 from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
 
 logger = logging.getLogger("tokenline.api")
+
+ENGINE_CRASH_LOOP_EXIT_CODE = 3  # the server's exit status when the engine keeps dying
 
 
 @dataclass
@@ -54,21 +70,48 @@ class ServerSettings:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None
+    # The name clients use, or several (vLLM's aliases): the first is the one responses report.
+    served_model_name: str | list[str] | None = None
     api_key: str | None = None  # one key, like vLLM's --api-key
     keys_file: str | None = None  # tenants with hashed keys and limits (TOML)
     redis_url: str | None = None  # share rate-limit state between servers
     usage_db: str | None = None  # the usage ledger (SQLite); default under TOKENLINE_HOME
     prices_file: str | None = None  # USD per million input / output tokens, per model (TOML)
     log_prompts: bool = False  # user text is never logged unless asked
+    content_filter: str | None = None  # default safety filters (TOML/JSON) for tenants without their own
     reasoning_parser: str | None = None  # "qwen3": <think>…</think> goes to reasoning_content
     tool_call_parser: str | None = None  # "qwen3" / "hermes": <tool_call>{…}</tool_call> → tool_calls
     request_timeout: float | None = 600.0  # seconds a request may take end to end
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_bytes: int = 4 * 1024 * 1024  # request bodies above this get a 413 unread
     max_messages: int = 1024
-    max_tokens_cap: int | None = None  # largest max_tokens a request may ask for
+    max_tokens_cap: int | None = None  # largest max_tokens a request may ask for (omitted: this)
+    # Operator opt-in: special-token strings in message content and text prompts become special
+    # tokens (by default user text is tokenized as text and cannot open or close a turn).
+    allow_special_tokens_in_content: bool = False
+    # Who may read /metrics with keys configured: "admin", "key" or "none"; None = admin on the API
+    # listener, none on its own (--metrics-port). See gateway/door_policy.py.
+    metrics_auth: str | None = None
+    metrics_port: int | None = None  # serve /metrics on its own listener (and not on the API's)
+    metrics_host: str | None = None  # that listener's address (default: host)
+    metrics_tenant_labels: bool = False  # tenant names on /metrics only when asked
+    header_timeout: float | None = 10.0  # seconds a connection has to send a complete request head
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int | None = 1024  # beyond it, requests other than probes get a 503
+    chat_template: str | None = None  # template source replacing the model's (vLLM's --chat-template)
+    generation_config: str = "auto"  # sampling defaults: "auto" (the model's), "vllm" (none) or a folder
+    uvicorn_log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # A dead engine is restarted with backoff; more deaths than this within the window exit the server.
+    engine_restart: RestartPolicy | None = field(default_factory=RestartPolicy)
+
+
+def served_model_names(settings: ServerSettings) -> list[str]:
+    """The names clients may ask for, the reported one first (default: the model argument)."""
+    names = settings.served_model_name
+    if isinstance(names, str):
+        names = [names]
+    return list(dict.fromkeys(names or [settings.model or DEFAULT_MODEL_NAME]))
 
 
 def build_gateway(settings: ServerSettings, stats: StatsSource, served_model_name: str) -> Gateway:
@@ -80,12 +123,26 @@ def build_gateway(settings: ServerSettings, stats: StatsSource, served_model_nam
         keys = KeyStore.single_key(settings.api_key)
     prices = PriceTable.from_file(settings.prices_file) if settings.prices_file else PriceTable.from_dict({})
     return Gateway(
-        ServerMetrics(stats, served_model_name),
+        ServerMetrics(stats, served_model_name, tenant_labels=settings.metrics_tenant_labels),
         keys=keys,
         limiter=make_rate_limiter(settings.redis_url) if keys is not None else None,
         ledger=UsageLedger(Path(settings.usage_db) if settings.usage_db else default_ledger_path(), prices),
         limits=GatewayLimits(settings.max_request_bytes, settings.max_messages, settings.max_tokens_cap),
         log_prompts=settings.log_prompts,
+        content_filters=load_filter_file(settings.content_filter) if settings.content_filter else (),
+    )
+
+
+def door_policy(settings: ServerSettings) -> DoorPolicy:
+    """What the door asks of each path; a contradictory setting raises ValueError."""
+    keys_configured = bool(settings.keys_file or settings.api_key)
+    if settings.metrics_port is not None and settings.metrics_port == settings.port:
+        raise ValueError("--metrics-port must differ from --port")
+    return DoorPolicy(
+        keys_configured=keys_configured,
+        metrics_auth=resolve_metrics_auth(settings.metrics_auth, keys_configured, settings.metrics_port),
+        metrics_port=settings.metrics_port,
+        max_connections=settings.max_connections,
     )
 
 
@@ -94,28 +151,50 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     started with the app); any ``EngineClient`` works, the gateway and processor do not care."""
     model_dir = resolve_model(settings.model)
     model_config = ModelConfig.from_dir(model_dir)  # fails fast on an unsupported architecture
-    tokenizer = Tokenizer.from_dir(model_dir)
-    served_model_name = settings.served_model_name or (settings.model or DEFAULT_MODEL_NAME)
+    tokenizer = Tokenizer.from_dir(settings.engine.tokenizer or model_dir)
+    if settings.chat_template is not None:
+        tokenizer.set_chat_template(settings.chat_template)
+    model_names = served_model_names(settings)
+    served_model_name = model_names[0]
     if client is None:
-        client = EngineProcessClient(settings.engine, model_dir, tokenizer.vocab_size)
+        client = EngineProcessClient(settings.engine, model_dir, tokenizer.vocab_size, settings.engine_restart)
     gateway = build_gateway(settings, client, served_model_name)
     keys, limiter, ledger, metrics = gateway.keys, gateway.limiter, gateway.ledger, gateway.metrics
     serving = OpenAIServing(
         client,
         InputProcessor(
             tokenizer,
-            model_config.generation_config,
+            load_generation_config(settings.generation_config, model_dir),
             lambda: serving.max_model_len,
             reasoning=settings.reasoning_parser is not None,
+            allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
         ),
         gateway,
         served_model_name,
+        model_aliases=model_names[1:],
         request_timeout=settings.request_timeout,
         tool_call_parser=settings.tool_call_parser,
     )
+    # Stored Responses API responses live next to the usage rows, in the ledger's database.
+    responses = ResponsesServing(serving, ResponseStore(ledger.path) if ledger is not None else None)
+
+    def give_up(reason: str) -> None:
+        # A crash loop: no engine will come back, so the server exits non-zero and whoever runs
+        # it (systemd, Kubernetes) restarts it from scratch.
+        app.state.exit_code = ENGINE_CRASH_LOOP_EXIT_CODE
+        request_exit = getattr(app.state, "request_exit", None)
+        if request_exit is not None:
+            request_exit()
+
+    client.on_give_up = give_up
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ledger is not None:
+            recovered = await asyncio.to_thread(ledger.recover_interrupted)
+            if recovered:
+                logger.warning("usage ledger: %d request(s) in flight when a previous server died, "
+                               "marked interrupted", recovered)
         client.start()
         logger.info("engine %s loading %s", getattr(client, "pid", None) or type(client).__name__, model_dir)
         if keys is not None and settings.keys_file and threading.current_thread() is threading.main_thread():
@@ -124,6 +203,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         yield
         await client.shutdown()
         await serving.drain()
+        serving.text_pool.close()
         if ledger is not None:
             ledger.close()
         if limiter is not None:
@@ -137,29 +217,47 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             logger.error("keys reload failed, keeping the previous tenants: %s", exc)
             raise
 
-    app = FastAPI(title="tokenline", version=__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="tokenline", version=__version__, lifespan=lifespan,
+        dependencies=[Depends(reject_invalid_unicode)],  # before any route reads a string
+        responses=ERROR_RESPONSES,  # every route may answer these, in the OpenAI error shape
+        separate_input_output_schemas=False,  # response models serialize as they validate
+    )
+    install_openapi(app)
     app.state.serving = serving
     app.state.client = client
     app.state.gateway = gateway
+    app.state.exit_code = 0
     install_error_handlers(app, invalid_request_errors=(PromptError,))
 
     # The only middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
     app.add_middleware(
-        Door, max_request_bytes=gateway.limits.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics
+        Door, max_request_bytes=gateway.limits.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics,
+        policy=door_policy(settings),
     )
 
     def context(request: Request, model: str | None) -> RequestContext:
         return gateway.open(request.scope["state"], model)
 
-    @app.get("/health")
+    @app.get("/health", responses={**success(HealthStatus), 503: {"model": HealthStatus, "description": "Not ready"}})
     async def health() -> Response:
+        """Readiness (vLLM's meaning): 200 only while an engine is ready to serve."""
+        state = client.state
+        body: dict[str, Any] = {"status": state, "engine_pid": client.pid, "engine_restarts": client.restarts}
         if client.error:
-            return JSONResponse({"status": "error", "error": client.error}, status_code=503)
-        if not client.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            body["error"] = client.error
+        if state != "ok":
+            headers = {"Retry-After": "1"} if state in ("loading", "restarting") else None
+            return JSONResponse(body, status_code=503, headers=headers)
+        return JSONResponse(body)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/live")
+    async def live() -> dict[str, str]:
+        """Liveness: the API process is up and its event loop answers, whatever the engine does."""
+        return {"status": "alive"}
+
+    @app.get("/ping", operation_id="ping_get", responses={**success(HealthStatus), 503: {"model": HealthStatus}})
+    @app.post("/ping", operation_id="ping_post", responses={**success(HealthStatus), 503: {"model": HealthStatus}})
     async def ping() -> Response:
         """vLLM's (and SageMaker's) liveness route: the same answer as /health."""
         return await health()
@@ -170,10 +268,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
 
     created = int(time.time())  # when this server started serving the model
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         info = client.info
         return {
-            "id": served_model_name,
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "tokenline",
@@ -181,36 +279,62 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             "max_model_len": info.max_model_len if info else None,
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=success(ModelList))
     async def models(request: Request) -> dict[str, Any]:
-        visible = gateway.allows_model(request.state.tenant, served_model_name)
-        return {"object": "list", "data": [model_card()] if visible else []}
+        # One card per served name (vLLM's aliases), each shown only to tenants that may use it.
+        visible = [name for name in model_names if gateway.allows_model(request.state.tenant, name)]
+        return {"object": "list", "data": [model_card(name) for name in visible]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=None, responses=success(ModelCard))
     async def model(model_id: str, request: Request) -> dict[str, Any]:
-        if model_id != served_model_name or not gateway.allows_model(request.state.tenant, model_id):
-            raise APIError.not_found(f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return model_card()
+        if model_id not in model_names or not gateway.allows_model(request.state.tenant, model_id):
+            raise APIError.not_found(
+                f"The model `{shorten(model_id)}` does not exist.", param="model", code="model_not_found"
+            )
+        return model_card(model_id)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=success(ChatCompletionResponse, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx = context(request, body.model)
         gateway.check_limits(len(body.messages), body.requested_max_tokens, body.param_names["max_tokens"])
         return await serving.chat(body, request, ctx)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=success(CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx = context(request, body.model)
         gateway.check_limits(0, body.requested_max_tokens, "max_tokens")
         return await serving.completion(body, request, ctx)
 
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request, context(request, body.model))
+
+    def tenant_name(request: Request) -> str:
+        tenant = request.state.tenant  # stored responses are the tenant's own, as in the ledger
+        return tenant.name if tenant is not None else "anonymous"
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses.retrieve(response_id, tenant_name(request))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await responses.delete(response_id, tenant_name(request))
+
     @app.get("/v1/requests/{request_id}/trace")
-    async def request_trace(request_id: str, request: Request) -> dict[str, Any]:
-        trace = gateway.traces.get(request_id)
-        tenant = request.state.tenant
-        # Another tenant's request is reported as absent, not as forbidden: ids must not leak.
-        if trace is None or (tenant is not None and trace.tenant != tenant.name and not tenant.admin):
-            raise APIError.not_found(f"no trace for request {request_id!r}", param="request_id")
+    async def request_trace(request_id: str, request: Request, tenant: str | None = None) -> dict[str, Any]:
+        caller = request.state.tenant
+        # Ids are per tenant: a caller sees only its own requests; another tenant's request with the
+        # same id is reported as absent, not as forbidden. An admin may name the tenant (?tenant=),
+        # or gets its own request, else any tenant's latest with that id.
+        trace = gateway.traces.get(caller.name if caller is not None else None, request_id)
+        if caller is not None and caller.admin:
+            if tenant is not None:
+                trace = gateway.traces.get(tenant, request_id)
+            elif trace is None:
+                trace = gateway.traces.newest_with_id(request_id)
+        if trace is None:
+            raise APIError.not_found(f"no trace for request {shorten(request_id)!r}", param="request_id")
         return trace.to_dict()
 
     @app.get("/admin/usage")
@@ -243,34 +367,39 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         if tenant is None or not tenant.admin:
             raise APIError.forbidden("this key may not use admin endpoints")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=success(TokenizeResponse))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         body.check()
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = serving.render_chat(body)
+            # Off the event loop, bounded (frontend/text_pool.py): a 4 MB body must not stall /health.
+            tokens = await serving.text_pool.run(serving.render_chat, body)
         else:
-            tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.use_special_tokens)
+            # As a completion prompt: special-token strings stay text unless the operator opted in.
+            tokens = await serving.text_pool.run(
+                serving.processor.encode, body.prompt or "", add_special_tokens=body.use_special_tokens
+            )
         info = client.info
         return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=success(DetokenizeResponse))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         vocab = tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError.bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await serving.text_pool.run(tokenizer.decode, body.tokens, skip_special_tokens=False)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=success(description="Prometheus metrics"))
     async def prometheus_metrics() -> Response:
         return metrics.response()
 
     return app
 
 
-def serve(settings: ServerSettings) -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` to finish."""
+def serve(settings: ServerSettings) -> int:
+    """Run the server until SIGINT/SIGTERM (exit status 0; in-flight requests get
+    ``shutdown_timeout`` to finish) or an engine crash loop (``ENGINE_CRASH_LOOP_EXIT_CODE``)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -286,12 +415,28 @@ def serve(settings: ServerSettings) -> None:
 
     app = build_app(settings)
     logger.info("serving %s on http://%s:%d", settings.model or DEFAULT_MODEL_NAME, settings.host, settings.port)
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    rejected = app.state.gateway.metrics.rejected
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         timeout_graceful_shutdown=int(settings.shutdown_timeout),
-        log_level="info",
+        log_level=settings.uvicorn_log_level,
         access_log=False,  # the gateway's Door logs each request with its id instead
+        # Slow request heads are cut off (api/http_protocol.py); idle keep-alive connections too.
+        http=guarded_protocol(AutoHTTPProtocol, settings.header_timeout,
+                              lambda: rejected.labels("header_timeout").inc()),
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
     )
-    Server(config).run()
+    sockets = None
+    if settings.metrics_port is not None:
+        # One server, two listeners: the door tells them apart by the local port (door_policy.py).
+        metrics_config = uvicorn.Config(app, host=settings.metrics_host or settings.host, port=settings.metrics_port)
+        sockets = [config.bind_socket(), metrics_config.bind_socket()]
+        logger.info("metrics on http://%s:%d/metrics", metrics_config.host, settings.metrics_port)
+    server = Server(config)
+    app.state.request_exit = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=sockets)
+    return int(app.state.exit_code)

@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tokenline.frontend.thinking import ReasoningEffort
-from tokenline.gateway.errors import APIError
+from tokenline.gateway.errors import APIError, shorten
 from tokenline.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputs
 
 __all__ = [
@@ -176,7 +176,7 @@ class ChatMessage(_Request):
                 kind = part.get("type")
                 if kind != "text":
                     raise _invalid(
-                        f"content part {i} has type {kind!r}; only 'text' parts are supported "
+                        f"content part {i} has type {shorten(kind)!r}; only 'text' parts are supported "
                         "(this server takes text input only)"
                     )
                 if not isinstance(part.get("text"), str):
@@ -272,7 +272,7 @@ def _response_format_spec(response_format: dict[str, Any]) -> StructuredOutputs 
             raise APIError.bad_request("the schema must be a JSON object", param="response_format.json_schema.schema")
         return StructuredOutputs(json=schema)
     raise APIError.bad_request(
-        f"response_format type must be text, json_object or json_schema, got {kind!r}", param="response_format"
+        f"response_format type must be text, json_object or json_schema, got {shorten(kind)!r}", param="response_format"
     )
 
 
@@ -348,7 +348,7 @@ class _GenerationRequest(_Request):
         for key, value in self.logit_bias.items():
             if not re.fullmatch(r"-?\d+", key):
                 raise APIError.bad_request(
-                    f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                    f"logit_bias keys must be token ids (integers as strings), got {shorten(key)!r}", param="logit_bias"
                 )
             bias[int(key)] = value
         return bias
@@ -461,7 +461,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
             if choice.get("type") != "function" or name not in names:
-                raise APIError.bad_request(f"tool_choice names no tool of this request: {name!r}", param="tool_choice")
+                raise APIError.bad_request(f"tool_choice names no tool of this request: {shorten(name)!r}", param="tool_choice")
         elif choice not in (None, "none", "auto", "required"):
             raise APIError.bad_request("tool_choice must be none, auto, required or a named function", param="tool_choice")
         if choice is not None and choice != "none" and not names:
@@ -548,7 +548,9 @@ class CompletionRequest(_GenerationRequest):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        """max_tokens as the client sent it; None when omitted (the default of 16 applies, cut to
+        the server's cap, not refused by it)."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
     @property
     def param_names(self) -> dict[str, str]:
@@ -799,12 +801,13 @@ class CompletionChunk(_Response):
 
 
 class ModelCard(_Response):
-    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"max_model_len"})
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"root", "max_model_len"})
 
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "tokenline"
+    root: str | None = None  # the model's directory, as vLLM reports it
     max_model_len: int | None = None
 
 
@@ -816,7 +819,7 @@ class ModelList(_Response):
 class TokenizeResponse(_Response):
     tokens: list[int]
     count: int
-    max_model_len: int
+    max_model_len: int | None  # None while the model is loading
 
 
 class DetokenizeResponse(_Response):

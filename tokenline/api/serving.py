@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +49,16 @@ from tokenline.engine.client import EngineClient, EngineDeadError, EngineRequest
 from tokenline.engine.messages import EngineOutput, TokenLogprobs
 from tokenline.frontend.processor import ChatParserFactory, InputProcessor
 from tokenline.frontend.request_state import RequestState, SequenceState, SequenceUpdate
+from tokenline.frontend.text_pool import TextWorkPool
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START, tool_call_grammar
-from tokenline.gateway.errors import APIError
+from tokenline.gateway.errors import APIError, shorten
+from tokenline.gateway.filters import OutputGuard
 from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
+from tokenline.gateway.ledger import ABORT_REASONS
 from tokenline.sampling_params import SamplingParams, StructuredOutputs
+
+ENGINE_RETRY_AFTER_S = 2.0  # what a 503 suggests while the engine loads or restarts
 
 
 @dataclass
@@ -64,6 +69,7 @@ class _Generation:
     created: int
     collector: OutputCollector
     ctx: RequestContext
+    guard: OutputGuard | None = None  # the tenant's output filters
 
     @property
     def response_id(self) -> str:
@@ -87,15 +93,20 @@ class OpenAIServing:
         served_model_name: str,
         request_timeout: float | None = None,
         tool_call_parser: str | None = None,
+        model_aliases: Sequence[str] = (),
     ) -> None:
+        """``served_model_name`` is the name responses report; requests may also name an alias."""
         self.client = client
         self.processor = processor
         self.tokenizer: Tokenizer = processor.tokenizer
         self.gateway = gateway
         self.served_model_name = served_model_name
+        self.model_names = frozenset([served_model_name, *model_aliases])
         self.request_timeout = request_timeout
         self.tool_call_parser = tool_call_parser
         self._background: set[asyncio.Task[None]] = set()
+        # Rendering and tokenizing run here, off the event loop, bounded (frontend/text_pool.py).
+        self.text_pool = TextWorkPool()
 
     async def drain(self, timeout: float = 15.0) -> None:
         """Let receipts still being written in the background finish (at shutdown)."""
@@ -105,8 +116,10 @@ class OpenAIServing:
     # --- shared checks -------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError.not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        if model is not None and model not in self.model_names:
+            raise APIError.not_found(
+                f"The model `{shorten(model)}` does not exist.", param="model", code="model_not_found"
+            )
 
     @property
     def max_model_len(self) -> int:
@@ -116,12 +129,17 @@ class OpenAIServing:
         return info.max_model_len
 
     def ensure_ready(self) -> None:
-        if not self.client.alive:
-            if self.client.error:
-                raise APIError.server_error(f"the engine is not available: {self.client.error}")
-            raise APIError.unavailable("the engine is not running")
+        self._check_engine()
         if self.client.info is None:
-            raise APIError.unavailable("the model is still loading; retry shortly")
+            raise APIError.unavailable("the model is still loading; retry shortly", retry_after_s=ENGINE_RETRY_AFTER_S)
+
+    def _check_engine(self) -> None:
+        """A 503 while the engine is down: with Retry-After while a new one is on its way."""
+        if self.client.alive:
+            return
+        if self.client.state == "restarting":
+            raise APIError.unavailable("the engine is restarting; retry shortly", retry_after_s=ENGINE_RETRY_AFTER_S)
+        raise APIError.unavailable(f"the engine is not available: {self.client.error or 'not running'}")
 
     def render_chat(self, request: ChatCompletionRequest | TokenizeRequest, ctx: RequestContext | None = None) -> list[int]:
         """The request's messages through the model's chat template, tokenized (trace stamped)."""
@@ -156,7 +174,7 @@ class OpenAIServing:
                     param="tool_choice",
                 )
             params = dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=tool_grammar))
-        return self.processor.resolve(params, prompt_ids, request.param_names)
+        return self.processor.resolve(params, prompt_ids, request.param_names, self.gateway.limits.max_tokens_cap)
 
     # --- starting and consuming a generation ---------------------------------------------------
 
@@ -168,22 +186,25 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         chat_parser: ChatParserFactory | None = None,
+        response_id: str | None = None,
     ) -> _Generation:
         # Tokens are charged before any expensive work: the prompt plus the completion reserved.
         reserved = (params.max_tokens or 0) * params.n * len(prompts)
         await self.gateway.reserve(ctx, sum(len(p) for p in prompts), reserved)
         state = self.processor.fan_out(
-            random_id(prefix), prompts, params, priority=priority, client_request_id=ctx.request_id,
+            response_id or random_id(prefix), prompts, params, priority=priority, client_request_id=ctx.request_id,
             chat_parser=chat_parser,
         )
         ctx.name_response(state.group_id, state.request_ids)
         try:
             collector = self.client.add(state.engine_requests)
-        except EngineDeadError as exc:
+        except EngineDeadError as exc:  # it died while the request was being admitted
             await self.gateway.release(ctx)
-            raise APIError.server_error(f"the engine is not available: {exc}") from exc
+            self._check_engine()
+            raise APIError.unavailable(f"the engine is not available: {exc}") from exc
+        self.gateway.journal(ctx, self.served_model_name, sum(len(p) for p in prompts))
         ctx.trace.mark("queued")
-        return _Generation(state, int(time.time()), collector, ctx)
+        return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx))
 
     async def _updates(self, gen: _Generation) -> AsyncIterator[list[SequenceUpdate]]:
         """Yield, per batch of engine outputs, one update per sequence that changed.
@@ -193,7 +214,7 @@ class OpenAIServing:
         durably. Any other end — disconnect, timeout, error — aborts what still runs and writes
         the receipt in the background once the engine reports the tokens actually produced.
         """
-        status = "failed"
+        status, abort_reason = "failed", "abort:error"
         try:
             async with asyncio.timeout(self.request_timeout):
                 while not gen.state.finished:
@@ -202,8 +223,16 @@ class OpenAIServing:
                     except EngineRequestError as exc:
                         raise APIError.invalid_request(exc) from exc
                     except EngineDeadError as exc:
+                        abort_reason = ABORT_REASONS["failed"]
                         raise APIError.server_error(f"the engine failed while generating: {exc}") from exc
                     updates = [self._absorb(gen, output) for output in outputs]
+                    now = time.monotonic()
+                    if self.gateway.progress_due(gen.ctx, now):  # tokens so far, in case we crash
+                        usage = gen.state.usage()
+                        self.gateway.progress(gen.ctx, now, usage.cached_tokens, usage.completion_tokens)
+                    if gen.guard is not None:
+                        for update in updates:
+                            await self._screen_output(gen, update)
                     if updates:
                         yield updates
             status = "finished"
@@ -216,7 +245,8 @@ class OpenAIServing:
         finally:
             if status != "finished":
                 self.client.abort(gen.state.running_in_engine())
-                task = asyncio.get_running_loop().create_task(self._settle(gen, status))
+                reason = abort_reason if status == "failed" else ABORT_REASONS[status]
+                task = asyncio.get_running_loop().create_task(self._settle(gen, status, reason))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         await self._settle(gen, status)
@@ -235,8 +265,27 @@ class OpenAIServing:
             self.client.abort([seq.request_id])  # a stop string ended it: free the engine now
         return update
 
-    async def _settle(self, gen: _Generation, status: str) -> None:
-        """Write the request's receipt once the engine has said its last word on every sequence."""
+    async def _screen_output(self, gen: _Generation, update: SequenceUpdate) -> None:
+        """Run the output filters over a choice's new text; a flag ends the choice before the
+        flagged text (what a stream already sent stays sent) and aborts its engine request."""
+        seq = update.seq
+        if gen.guard is None or not (update.text or seq.finished):
+            return
+        text = seq.stream.text
+        start = len(text) - len(update.text)
+        decision = await gen.guard.check(seq.request_id, text, start, seq.finished)
+        if decision is None:
+            return
+        cut = start if decision.offset is None else decision.offset
+        seq.cut(cut, decision.filter)
+        update.text = text[start:cut] if cut > start else ""
+        if seq.engine_final is None:
+            self.client.abort([seq.request_id])
+
+    async def _settle(self, gen: _Generation, status: str, abort_reason: str | None = None) -> None:
+        """Write the request's receipt once the engine has said its last word on every sequence.
+        ``abort_reason`` (a ledger ``ABORT_REASONS`` value) is the row's finish reason for a
+        request that did not finish."""
         state = gen.state
         self.client.abort(state.running_in_engine())  # sequences a stop string ended may still run
         try:
@@ -266,9 +315,12 @@ class OpenAIServing:
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
-            finish_reason=next((s.finish_reason for s in state.in_order() if s.finish_reason), None),
+            finish_reason=abort_reason or next((s.finish_reason for s in state.in_order() if s.finish_reason), None),
             sequences=sequences,
+            content_filter=next((s.content_filter for s in state.in_order() if s.content_filter), None),
         )
+        if receipt.content_filter is not None:
+            receipt.finish_reason = "content_filter"  # the row says a filter ended it, whichever choice
         if self.gateway.log_prompts:  # user text is untrusted and private: logged only when asked
             receipt.prompts = [self.tokenizer.decode(p, skip_special_tokens=False) for p in state.prompts]
             receipt.completions = [s.stream.text for s in state.in_order()]
@@ -277,23 +329,31 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
+        gen = await self.start_chat(request, ctx)
+        if request.stream:
+            return _sse(self._chat_stream(gen, request))
+        return await _until_disconnect(self._chat_full(gen), raw)
+
+    async def start_chat(
+        self, request: ChatCompletionRequest, ctx: RequestContext, response_id: str | None = None
+    ) -> _Generation:
+        """Check, render and start a chat request (also what a Responses request becomes)."""
         request.check(tools_enabled=self.tool_call_parser is not None)  # before any tokenizing work
         self.ensure_ready()
         self.check_model(request.model)
+        await self.gateway.screen_input(ctx, _message_texts(request.template_messages()), request.param_names["prompt"])
         use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
-        prompt_ids = self.render_chat(request, ctx)
-        self.processor.check_prompt(prompt_ids, "messages")
+        prompt_ids = await self.text_pool.run(self.render_chat, request, ctx)
+        self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
         tool_grammar = None
         if use_tools:
             markers = self.tokenizer.added_token_ids([TOOL_CALL_START, TOOL_CALL_END])
             tool_grammar = tool_call_grammar(request.tools or [], request.tool_choice, markers)
         params = self._params(request, prompt_ids, tool_grammar)
-        gen = await self._start(
-            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools)
+        return await self._start(
+            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools),
+            response_id=response_id,
         )
-        if request.stream:
-            return _sse(self._chat_stream(gen, request))
-        return await _until_disconnect(self._chat_full(gen), raw)
 
     async def _chat_full(self, gen: _Generation) -> Response:
         async for _ in self._updates(gen):
@@ -303,7 +363,7 @@ class OpenAIServing:
         for c in gen.state.in_order():
             message, finish_reason = AssistantMessage(content=c.stream.text), c.finish_reason
             if c.chat_output is not None:
-                parsed = c.chat_output.parse_all(c.stream.text)
+                parsed = c.chat_output.parse_all(c.stream.text, truncated=finish_reason == "length")
                 message = AssistantMessage(
                     content=parsed.content if parsed.content or not parsed.tool_calls else None,
                     reasoning_content=parsed.reasoning,
@@ -314,8 +374,7 @@ class OpenAIServing:
                     ]
                     or None,
                 )
-                if parsed.tool_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                finish_reason = c.chat_output.finish_reason(finish_reason)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
@@ -378,8 +437,13 @@ class OpenAIServing:
         request.check()
         self.ensure_ready()
         self.check_model(request.model)
+        if self.gateway.filters_for(ctx.tenant):  # token-id prompts are screened as their text
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in request.prompts()]
+            await self.gateway.screen_input(ctx, texts, "prompt")
         ctx.trace.mark("rendered")  # nothing to render for a text completion
-        prompts = [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in request.prompts()]
+        prompts = await self.text_pool.run(
+            lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in request.prompts()]
+        )
         ctx.trace.mark("tokenized")
         for prompt_ids in prompts:
             self.processor.check_prompt(prompt_ids, "prompt")
@@ -473,13 +537,26 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """What the caller wrote in a chat: each message's text and the arguments of its tool calls."""
+    texts = []
+    for message in messages:
+        if isinstance(message.get("content"), str):
+            texts.append(message["content"])
+        for call in message.get("tool_calls") or ():
+            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            if isinstance(arguments, str):
+                texts.append(arguments)
+    return texts
+
+
 def _shaped_delta(choice: SequenceState, delta: str) -> tuple[DeltaMessage, str | None]:
     """Split a chat choice's text delta into reasoning, content and tool-call pieces."""
     shaper = choice.chat_output
     assert shaper is not None
     piece = shaper.feed(delta)
     if choice.finished:
-        piece = piece.merged(shaper.finish())
+        piece = piece.merged(shaper.finish(truncated=choice.finish_reason == "length"))
     calls = [
         DeltaToolCall(
             index=t.index,
@@ -495,10 +572,7 @@ def _shaped_delta(choice: SequenceState, delta: str) -> tuple[DeltaMessage, str 
         reasoning=piece.reasoning or None,
         tool_calls=calls or None,
     )
-    finish_reason = choice.finish_reason
-    if finish_reason == "stop" and shaper.made_tool_calls:
-        finish_reason = "tool_calls"
-    return message, finish_reason
+    return message, shaper.finish_reason(choice.finish_reason)
 
 
 def _sse_event(body: dict[str, Any]) -> str:

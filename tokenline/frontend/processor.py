@@ -143,26 +143,30 @@ class InputProcessor:
         param_names: Mapping[str, str] | None = None,
         max_tokens_cap: int | None = None,
     ) -> SamplingParams:
-        """``max_tokens`` fitted to the context (unset: fill it, up to the server's
-        ``max_tokens_cap``; too large: refuse, as OpenAI does,
-        rather than answer shorter than asked), token ids checked against the vocabulary, and a
+        """``max_tokens`` fitted to the context (unset: fill it; too large: refuse, as OpenAI does,
+        rather than answer shorter than asked) and cut to the server's ``max_tokens_cap``, token
+        ids checked against the vocabulary, and a
         structured-output constraint validated (and started after the reasoning, for an answer
         that begins inside ``<think>``). ``param_names`` maps SamplingParams' field names to the
         caller's (e.g. max_completion_tokens). For a batch of prompts, pass the longest."""
         names = dict(param_names or {})
         prompt_len = len(prompt_ids)
         room = self.max_model_len - prompt_len
-        if params.max_tokens is None:
-            # The gateway refuses an explicit max_tokens above the cap; an omitted one is capped here.
-            params = self._replace(params, names, max_tokens=room if max_tokens_cap is None else min(room, max_tokens_cap))
-        elif params.max_tokens > room:
+        # The cap applies to the effective max_tokens: an omitted one (the context's room, or a
+        # protocol default) is cut to it; an explicit one above it the gateway already refused.
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens_cap is not None:
+            max_tokens = min(max_tokens, max_tokens_cap)
+        if max_tokens > room:
             raise PromptError(
                 names.get("max_tokens", "max_tokens"),
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} in the "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                 f"completion). Please reduce the length of the prompt or of the completion.",
                 code="context_length_exceeded",
             )
+        if max_tokens != params.max_tokens:
+            params = self._replace(params, names, max_tokens=max_tokens)
         vocab = self.tokenizer.vocab_size
         if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
             raise PromptError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")

@@ -15,12 +15,14 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenline.gateway.errors import APIError
+from tokenline.gateway.door_policy import CONNECTIONS_SCOPE_KEY, Access, DoorPolicy
+from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.keys import KeyStore
 from tokenline.gateway.metrics import ServerMetrics
 from tokenline.gateway.rate_limit import RateLimiter
 
 access_logger = logging.getLogger("tokenline.access")
+logger = logging.getLogger(__name__)
 
 _REQUEST_ID_OK = re.compile(r"[^A-Za-z0-9._:\-]")
 
@@ -46,10 +48,12 @@ class Door:
         keys: KeyStore | None,
         limiter: RateLimiter | None,
         metrics: ServerMetrics,
+        policy: DoorPolicy | None = None,
     ) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.keys = keys
+        self.policy = policy or DoorPolicy(keys_configured=keys is not None)
         self.limiter = limiter
         self.metrics = metrics
 
@@ -94,10 +98,23 @@ class Door:
             await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
             return
         state["tenant"] = None
-        if self.keys is not None and (path.startswith("/v1") or path.startswith("/admin")):
+        server = scope.get("server")
+        access = self.policy.access(path, server[1] if server else None)
+        if access is Access.ABSENT:
+            await refuse(APIError.not_found(f"no route {shorten(path)!r} on this address"), "not_on_this_listener")
+            return
+        if self.policy.over_capacity(path, scope.get(CONNECTIONS_SCOPE_KEY)):
+            error = APIError.unavailable("the server has too many open connections; retry shortly", 1)
+            error.headers["Connection"] = "close"  # and free this one
+            await refuse(error, "connection_cap")
+            return
+        if self.keys is not None and access in (Access.KEY, Access.ADMIN):
             tenant = self.keys.authenticate(_bearer_token(headers.get(b"authorization")))  # constant time
             if tenant is None:
                 await refuse(APIError.unauthorized("Incorrect or missing API key."), "unauthorized")
+                return
+            if access is Access.ADMIN and not tenant.admin:
+                await refuse(APIError.forbidden("this endpoint needs an admin key"), "forbidden")
                 return
             state["tenant"] = tenant
             if self.limiter is not None:
@@ -118,7 +135,16 @@ class Door:
             receive = _replay(body, receive)
         try:
             await self.app(scope, receive, send_with_headers)
+        except Exception:
+            if "status" in state:
+                raise  # the response has begun: the server can only close the connection
+            # A bug escaped the app. Starlette's last-resort 500 is sent from outside this door
+            # and would carry no request id, so the door answers it, in the OpenAI shape.
+            logger.exception("unhandled error in %s %s request_id=%s", scope.get("method"), path, request_id)
+            await APIError.server_error().to_response()(scope, receive, send_with_headers)
         finally:
+            for finish in state.get("on_finish", ()):
+                finish()  # e.g. the gateway frees the request id for reuse
             log_access()
 
     async def _read_bounded(self, receive: Receive) -> bytes | None:

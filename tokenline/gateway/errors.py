@@ -17,9 +17,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["APIError", "install_error_handlers", "validation_error"]
+__all__ = ["APIError", "install_error_handlers", "shorten", "validation_error"]
 
 logger = logging.getLogger(__name__)
+
+# How much of a caller's value an error message quotes: enough to recognise it, never the whole
+# of a 100k-character "model name" sent back to its sender (or into every log that shows errors).
+ECHO_LIMIT = 64
+
+
+def shorten(value: object, limit: int = ECHO_LIMIT) -> str:
+    """A caller's value as an error message quotes it: its first ``limit`` characters, then "…"."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 # Error `type` by status for errors that arrive as bare HTTP statuses (routing, middleware).
 _TYPE_BY_STATUS = {
@@ -93,6 +103,10 @@ class APIError(Exception):
         return cls(404, message, "not_found_error", param, code)
 
     @classmethod
+    def conflict(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
+        return cls(409, message, "invalid_request_error", param, code)
+
+    @classmethod
     def payload_too_large(cls, message: str, param: str | None = None) -> APIError:
         return cls(413, message, "invalid_request_error", param, "payload_too_large")
 
@@ -145,7 +159,7 @@ def _param_path(loc: Sequence[Any]) -> str | None:
 def _short(value: Any) -> str | None:
     """The offending value, for the message, when it is small enough to be worth showing."""
     if value is None or isinstance(value, (bool, int, float)):
-        return repr(value) if value is not None else "null"
+        return shorten(repr(value)) if value is not None else "null"  # an int may have 4,000 digits
     if isinstance(value, str) and len(value) <= 40:
         return repr(value)
     return None
@@ -163,6 +177,8 @@ def _one_error(error: Mapping[str, Any]) -> APIError:
         where = f" (at character {loc[-1]})" if loc and isinstance(loc[-1], int) else ""
         return APIError.bad_request(f"invalid JSON in request body: {detail}{where}")
     param = _param_path(loc)
+    if param is not None:
+        param = shorten(param)  # a path may hold a caller's key (an unknown field's name)
     if param is None:
         # The body as a whole is wrong: missing, not an object, or not sent as JSON at all.
         if kind == "missing":

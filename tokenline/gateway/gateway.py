@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenline.engine.messages import RequestTimings
-from tokenline.gateway.errors import APIError
+from tokenline.gateway.errors import APIError, shorten
+from tokenline.gateway.filters import VERDICTS, ContentFilter, Decision, OutputGuard
 from tokenline.gateway.keys import KeyStore, Tenant
 from tokenline.gateway.ledger import UsageLedger, UsageRecord
 from tokenline.gateway.metrics import ServerMetrics
@@ -45,6 +46,8 @@ class RequestContext:
     response_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, sent by the door
     reservation: Reservation | None = None
     scope_state: dict[str, Any] = field(default_factory=dict)  # the door's per-request state
+    journal: UsageRecord | None = None  # the ledger's in-flight row, once the engine has the request
+    journaled_at: float = 0.0  # monotonic time of the last journal write (admission or progress)
 
     @property
     def tenant_name(self) -> str:
@@ -85,6 +88,7 @@ class Receipt:
     sequences: list[SequenceReceipt]
     prompts: list[str] | None = None  # the texts, only when the operator asked to log prompts
     completions: list[str] | None = None
+    content_filter: str | None = None  # the safety filter that ended the request, if one did
 
 
 class Gateway:
@@ -97,14 +101,24 @@ class Gateway:
         traces: TraceStore | None = None,
         limits: GatewayLimits | None = None,
         log_prompts: bool = False,
+        content_filters: tuple[ContentFilter, ...] = (),
+        progress_interval_s: float = 1.0,
     ) -> None:
         self.metrics = metrics
         self.keys = keys
         self.limiter = limiter
         self.ledger = ledger
         self.traces = traces or TraceStore()
+        # (tenant, request id) of requests whose response is not finished: an id names one request.
+        self._in_flight: set[tuple[str | None, str]] = set()
         self.limits = limits or GatewayLimits()
         self.log_prompts = log_prompts  # user text is untrusted and private: logged only when asked
+        # At most one ledger update per running request this often: bounded write cost, and a
+        # crash loses at most this much of what a request produced.
+        self.progress_interval_s = progress_interval_s
+        self.content_filters = content_filters  # the default of tenants without their own
+        for f in (*content_filters, *(f for t in (keys.tenants if keys else ()) for f in t.content_filters or ())):
+            metrics.declare_filter(f.name, sorted(f.stages), VERDICTS)
 
     # --- admission -----------------------------------------------------------------------------
 
@@ -119,10 +133,22 @@ class Gateway:
             if model is not None and not self.allows_model(tenant, model):
                 self.metrics.rejected.labels("model_not_allowed").inc()
                 raise APIError.not_found(
-                    f"The model `{model}` does not exist or you do not have access to it.",
+                    f"The model `{shorten(model)}` does not exist or you do not have access to it.",
                     param="model",
                     code="model_not_found",
                 )
+        key = (trace.tenant, trace.request_id)
+        if key in self._in_flight:
+            # Answered, not renamed: the caller chose the id to find this request again (trace,
+            # ledger, logs), and a silently different id would break exactly that.
+            self.metrics.rejected.labels("duplicate_request_id").inc()
+            raise APIError.conflict(
+                f"a request with X-Request-Id {shorten(trace.request_id)!r} is still in progress; use a new id",
+                param="X-Request-Id", code="duplicate_request_id",
+            )
+        self._in_flight.add(key)
+        # The door runs these when the response is over (streamed or not, error or not).
+        state.setdefault("on_finish", []).append(lambda: self._in_flight.discard(key))
         self.traces.add(trace)
         return RequestContext(state["request_id"], trace, tenant, state["extra_headers"], scope_state=state)
 
@@ -130,6 +156,8 @@ class Gateway:
         return tenant is None or self.keys is None or self.keys.allows_model(tenant, model)
 
     def check_limits(self, messages: int, max_tokens: int | None, param: str) -> None:
+        """Refuse too many messages or an explicit ``max_tokens`` above the cap. An omitted one
+        is not refused: the processor's ``fit`` caps it (``InputProcessor.fit(max_tokens_cap=)``)."""
         limits = self.limits
         if messages > limits.max_messages:
             self.metrics.rejected.labels("too_many_messages").inc()
@@ -152,7 +180,7 @@ class Gateway:
             ctx.reservation = await self.limiter.acquire(ctx.tenant, prompt_tokens, completion_tokens)
         except APIError as exc:
             self.metrics.rejected.labels("rate_limited").inc()
-            self.metrics.rate_limited.labels(ctx.tenant.name, exc.code or "rate_limit").inc()
+            self.metrics.count_rate_limited(ctx.tenant.name, exc.code or "rate_limit")
             raise
         if ctx.reservation.headers is not None:
             ctx.response_headers.update(ctx.reservation.headers.as_dict())
@@ -162,6 +190,91 @@ class Gateway:
         if ctx.reservation is not None and self.limiter is not None:
             await self.limiter.settle(ctx.reservation, 0)
             ctx.reservation = None
+
+    # --- safety filters ----------------------------------------------------------------------
+
+    def filters_for(self, tenant: Tenant | None) -> tuple[ContentFilter, ...]:
+        if tenant is not None and tenant.content_filters is not None:
+            return tenant.content_filters
+        return self.content_filters
+
+    async def screen_input(self, ctx: RequestContext, texts: list[str], param: str) -> None:
+        """Run the tenant's input filters before any engine work: a block is a 400 with code
+        ``content_filter``; a filter that cannot decide and fails closed is a 503."""
+        for f in self.filters_for(ctx.tenant):
+            if "input" not in f.stages:
+                continue
+            decision = await f.check_input(texts)
+            self.filter_decided(ctx, "input", decision)
+            if not decision.blocked:
+                continue
+            self.metrics.rejected.labels("content_filter").inc()
+            await self._record_refusal(ctx, decision)
+            if decision.verdict == "error":
+                raise APIError(
+                    503, f"The content filter `{f.name}` is unavailable; the request was not run. Retry later.",
+                    "service_unavailable", param, "content_filter_unavailable", {"Retry-After": "5"},
+                )
+            raise APIError.bad_request(
+                f"The request was refused by the content filter `{f.name}`.", param=param, code="content_filter"
+            )
+
+    def output_guard(self, ctx: RequestContext) -> OutputGuard | None:
+        """The tenant's output filters for one request; None when it has none."""
+        filters = [f for f in self.filters_for(ctx.tenant) if "output" in f.stages]
+        return OutputGuard(filters, lambda d: self.filter_decided(ctx, "output", d)) if filters else None
+
+    def filter_decided(self, ctx: RequestContext, stage: str, decision: Decision) -> None:
+        self.metrics.content_filter.labels(decision.filter, stage, decision.verdict).inc()
+        ctx.trace.filter_decision(stage, decision.filter, decision.verdict, decision.reason)
+
+    async def _record_refusal(self, ctx: RequestContext, decision: Decision) -> None:
+        """A refused input never reaches an engine, yet the refusal is on record: a ledger row
+        with no tokens, status ``refused``."""
+        now = time.monotonic()
+        ctx.trace.mark("finished", now)
+        ctx.trace.status = "refused"
+        if self.ledger is not None:
+            await self.ledger.record(UsageRecord(
+                request_id=ctx.request_id, response_id=None, tenant=ctx.tenant_name, model=ctx.trace.model or self.metrics.model_name,
+                status="refused", finish_reason="content_filter", created_at=ctx.trace.wall_arrival,
+                e2e_s=now - ctx.arrival, content_filter=decision.filter,
+            ))
+
+    # --- the journal -------------------------------------------------------------------------
+
+    def journal(self, ctx: RequestContext, model: str, prompt_tokens: int) -> None:
+        """The engine has the request: write its in-flight ledger row (not awaited), so a crash
+        from here on leaves a row to recover."""
+        if self.ledger is None or ctx.trace.response_id is None:
+            return
+        record = UsageRecord(
+            request_id=ctx.request_id, response_id=ctx.trace.response_id, tenant=ctx.tenant_name, model=model,
+            status="in_flight", prompt_tokens=prompt_tokens, created_at=ctx.trace.wall_arrival,
+        )
+        try:
+            self.ledger.journal(record)
+        except RuntimeError as exc:  # a closed or broken ledger: settle still tries, and logs
+            logger.error("usage journal for request %s not written: %s", ctx.request_id, exc)
+            return
+        ctx.journal = record
+        ctx.journaled_at = time.monotonic()
+
+    def progress_due(self, ctx: RequestContext, now: float) -> bool:
+        return ctx.journal is not None and now - ctx.journaled_at >= self.progress_interval_s
+
+    def progress(self, ctx: RequestContext, now: float, cached_tokens: int, completion_tokens: int) -> None:
+        """Journal the tokens produced so far (call when ``progress_due``)."""
+        record = ctx.journal
+        if record is None or self.ledger is None:
+            return
+        record.cached_tokens = min(cached_tokens, record.prompt_tokens)
+        record.completion_tokens = completion_tokens
+        ctx.journaled_at = now
+        try:
+            self.ledger.progress(record)
+        except RuntimeError as exc:
+            logger.error("usage journal for request %s not updated: %s", ctx.request_id, exc)
 
     # --- observation ---------------------------------------------------------------------------
 
@@ -211,9 +324,10 @@ class Gateway:
                 queue_s=trace.since_arrival("first_scheduled"),
                 ttft_s=trace.since_arrival("first_token"),
                 e2e_s=now - ctx.arrival,
+                content_filter=receipt.content_filter,
             )
             await self.ledger.record(record)
-            self.metrics.spend.labels(ctx.tenant_name, receipt.model).inc(record.cost_usd or 0.0)
+            self.metrics.add_spend(ctx.tenant_name, receipt.model, record.cost_usd or 0.0)
         line: dict[str, Any] = {"event": "request_finished", **trace.to_dict()}
         if self.log_prompts and receipt.prompts is not None:
             line["prompts"] = receipt.prompts

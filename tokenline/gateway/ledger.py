@@ -1,5 +1,11 @@
 """The durable usage ledger: one row per request, with its cost, in an embedded SQLite database.
 
+A request served through the gateway is journaled: its row is written at admission with status
+``in_flight`` (prompt tokens, tenant, model, response id), updated with the tokens produced so far
+while it runs, and completed when it ends. A server that dies leaves such rows behind; the next
+server marks them ``interrupted`` at start-up (``recover_interrupted``), keeping the tokens known.
+Rows that did not finish name why in ``finish_reason`` (``ABORT_REASONS``).
+
 Writes go through one writer thread fed by a queue, so the event loop never waits on disk;
 ``await ledger.record(rec)`` returns once the row is committed. The database runs in WAL mode
 with ``synchronous=NORMAL``: a committed row survives a crash of the process (not a power cut,
@@ -11,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import json
 import logging
 import math
+import os
 import queue
+import socket
 import sqlite3
 import sys
 import threading
@@ -28,12 +37,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from tokenline.gateway.errors import shorten
 from tokenline.model.model_store import tokenline_home
 
 logger = logging.getLogger("tokenline.gateway.ledger")
 
-STATUSES = ("finished", "stopped", "cancelled", "timed_out", "failed")
-SCHEMA_VERSION = 2  # 2: response_id
+STATUSES = ("finished", "stopped", "cancelled", "timed_out", "failed", "in_flight", "interrupted", "refused")
+# finish_reason of a row that did not finish by the model's stop or length, by status.
+ABORT_REASONS = {
+    "cancelled": "abort:client_disconnect",  # the client hung up
+    "timed_out": "abort:timeout",  # --request-timeout ran out
+    "failed": "abort:engine_dead",  # the engine died under it (other failures: "abort:error")
+    "interrupted": "abort:server_crash",  # the server died; marked by the next server at start-up
+}
+SCHEMA_VERSION = 4  # 2: response_id; 3: owner, the in-flight journal index; 4: content_filter
 _MAX_BATCH = 512  # rows committed in one transaction at most; bounds the latency of the first
 
 _SCHEMA = """
@@ -83,6 +100,8 @@ class UsageRecord:
     e2e_s: float | None = None
     cost_usd: float = 0.0
     response_id: str | None = None  # the response body's id (chatcmpl-…); joins the row to the trace
+    owner: str | None = None  # "host:pid" of the server that wrote the row (set by the ledger)
+    content_filter: str | None = None  # the safety filter that refused the input or cut the output
 
     def validate(self) -> None:
         """Raise ``ValueError`` for a record that must not reach the ledger."""
@@ -100,6 +119,9 @@ class UsageRecord:
 
 _COLUMNS = tuple(f.name for f in fields(UsageRecord))
 _INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+# A journaled row is found by its response id among the rows still in flight of this server.
+_UPDATE = (f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _COLUMNS)} "
+           "WHERE response_id = ? AND owner = ? AND status = 'in_flight'")
 
 
 @dataclass
@@ -207,9 +229,35 @@ def _price_from_dict(section: str, entry: Any) -> ModelPrice:
 # ---------------------------------------------------------------------------------------- ledger
 
 
-# A queued write: the record and, for ``record()``, how to tell the waiting coroutine.
+# A queued write: what to do with the record and, for ``record()``, how to tell the waiting
+# coroutine. Ops: "insert" a finished row; "journal" an in-flight one; "progress" updates an
+# in-flight row; "complete" turns it into the finished row (inserting it if the journal was lost).
 _Done = Callable[[BaseException | None], None]
+_Write = tuple[str, "UsageRecord", "_Done | None"]
 _STOP = object()
+
+
+def server_owner() -> str:
+    """How this process signs the rows it writes: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _owner_gone(owner: str | None, me: str) -> bool:
+    """Whether the server that wrote an in-flight row can no longer complete it. Only a server on
+    this host can tell: its process is gone, or it is this very process (a new server that got
+    the old pid, as pid 1 in a container does). Rows of other hosts are left alone."""
+    if owner is None or owner == me:
+        return True
+    host, _, pid = owner.rpartition(":")
+    if host != me.rpartition(":")[0] or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -224,6 +272,12 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
     if "response_id" not in columns:  # schema 1
         conn.execute("ALTER TABLE usage ADD COLUMN response_id TEXT")
+    if "owner" not in columns:  # schema 2
+        conn.execute("ALTER TABLE usage ADD COLUMN owner TEXT")
+    if "content_filter" not in columns:  # schema 3
+        conn.execute("ALTER TABLE usage ADD COLUMN content_filter TEXT")
+    # Small (only rows in flight): finds a journaled row to update, and those to recover.
+    conn.execute("CREATE INDEX IF NOT EXISTS usage_in_flight ON usage (response_id) WHERE status = 'in_flight'")
     if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -239,6 +293,8 @@ class UsageLedger:
     def __init__(self, path: str | Path, prices: PriceTable | None = None) -> None:
         self.path = Path(path)
         self.prices = prices or PriceTable()
+        self.owner = server_owner()
+        self._journaled: set[str] = set()  # response ids with an in-flight row not yet completed
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Schema and WAL mode are set up here, on the caller's thread, so a bad path fails at once.
         conn = _connect(self.path)
@@ -251,7 +307,7 @@ class UsageLedger:
         finally:
             conn.close()
 
-        self._queue: queue.SimpleQueue[tuple[UsageRecord, _Done | None] | object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Write | object] = queue.SimpleQueue()
         self._lock = threading.Lock()  # makes "not closed, then enqueue" atomic against close()
         self._closed = False
         self._writer_error: BaseException | None = None
@@ -285,22 +341,58 @@ class UsageLedger:
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
-        self._enqueue(rec, done)
+        self._enqueue(self._final_op(rec), rec, done)
         await future
 
     def record_nowait(self, rec: UsageRecord) -> None:
         """Price ``rec`` and queue it for writing without waiting; a failed write is logged."""
-        self._enqueue(rec, None)
+        self._enqueue(self._final_op(rec), rec, None)
 
-    def _enqueue(self, rec: UsageRecord, done: _Done | None) -> None:
+    def journal(self, rec: UsageRecord) -> None:
+        """Write the in-flight row of a request just admitted (without waiting); ``progress``
+        updates it and ``record`` / ``record_nowait`` of the same ``response_id`` completes it."""
+        if rec.response_id is None or rec.status != "in_flight":
+            raise ValueError("a journaled record needs a response_id and status 'in_flight'")
+        self._enqueue("journal", rec, None)
+        self._journaled.add(rec.response_id)
+
+    def progress(self, rec: UsageRecord) -> None:
+        """Update a journaled row with the tokens known so far (without waiting)."""
+        if rec.response_id in self._journaled:
+            self._enqueue("progress", rec, None)
+
+    def _final_op(self, rec: UsageRecord) -> str:
+        if rec.response_id is not None and rec.response_id in self._journaled:
+            self._journaled.discard(rec.response_id)
+            return "complete"
+        return "insert"
+
+    def _enqueue(self, op: str, rec: UsageRecord, done: _Done | None) -> None:
         rec.validate()
+        rec.owner = self.owner
         rec.cost_usd = self.prices.cost(rec.model, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the usage ledger is closed")
             if self._writer_error is not None:
                 raise RuntimeError(f"the usage ledger writer failed: {self._writer_error!r}")
-            self._queue.put((rec, done))
+            # A copy: the caller may go on changing its record (progress) while this one waits.
+            self._queue.put((op, dataclasses.replace(rec), done))
+
+    def recover_interrupted(self) -> int:
+        """Mark rows left in flight by a server that died as ``interrupted`` (their tokens as last
+        journaled stay); returns how many. A server calls this once at start-up."""
+        with self._reader() as conn:
+            rows = conn.execute("SELECT id, owner FROM usage WHERE status = 'in_flight'").fetchall()
+            stale = [(row_id,) for row_id, owner in rows if _owner_gone(owner, self.owner)]
+            if stale:
+                with _transaction(conn):
+                    conn.executemany(
+                        "UPDATE usage SET status = 'interrupted', finish_reason = ? WHERE id = ? "
+                        "AND status = 'in_flight'",
+                        [(ABORT_REASONS["interrupted"], row_id) for (row_id,) in stale],
+                    )
+        return len(stale)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Write everything queued, then stop the writer. Idempotent."""
@@ -327,7 +419,7 @@ class UsageLedger:
         except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
             self._fail_queue(e)
             return
-        batch: list[tuple[UsageRecord, _Done | None]] = []
+        batch: list[_Write] = []
         try:
             stopping = False
             while not stopping:
@@ -348,29 +440,30 @@ class UsageLedger:
                 if batch:
                     self._write_batch(conn, batch)
         except BaseException as e:  # noqa: BLE001 - an unexpected failure must not strand waiters
-            for _, done in batch:
+            for _, _, done in batch:
                 if done is not None:
                     done(e)
             self._fail_queue(e)
         finally:
             conn.close()
 
-    def _write_batch(self, conn: sqlite3.Connection, batch: list[tuple[UsageRecord, _Done | None]]) -> None:
+    def _write_batch(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
         try:
             with _transaction(conn):
-                conn.executemany(_INSERT, [_row(rec) for rec, _ in batch])
+                for op, rec, _ in batch:
+                    _apply(conn, op, rec)
             results: list[BaseException | None] = [None] * len(batch)
         except sqlite3.Error:
             # One bad row must not lose the others: retry each alone and report each outcome.
             results = []
-            for rec, _ in batch:
+            for op, rec, _ in batch:
                 try:
                     with _transaction(conn):
-                        conn.execute(_INSERT, _row(rec))
+                        _apply(conn, op, rec)
                     results.append(None)
                 except sqlite3.Error as e:
                     results.append(e)
-        for (rec, done), error in zip(batch, results):
+        for (_, rec, done), error in zip(batch, results):
             if error is not None:
                 logger.error("usage record for request %s was not written: %s", rec.request_id, error)
             if done is not None:
@@ -385,8 +478,8 @@ class UsageLedger:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP and item[1] is not None:  # type: ignore[index]
-                item[1](error)  # type: ignore[index]
+            if item is not _STOP and item[2] is not None:  # type: ignore[index]
+                item[2](error)  # type: ignore[index]
 
     # ------------------------------------------------------------------------------ reading
 
@@ -455,6 +548,14 @@ def _row(rec: UsageRecord) -> tuple[Any, ...]:
     return tuple(getattr(rec, name) for name in _COLUMNS)
 
 
+def _apply(conn: sqlite3.Connection, op: str, rec: UsageRecord) -> None:
+    if op in ("progress", "complete"):
+        updated = conn.execute(_UPDATE, (*_row(rec), rec.response_id, rec.owner)).rowcount
+        if updated or op == "progress":
+            return  # a progress update of a row no longer in flight has nothing to do
+    conn.execute(_INSERT, _row(rec))  # insert, journal, or a completion whose journal was lost
+
+
 def _where(since: float | None, until: float | None, tenant: str | None,
            request_id: str | None = None) -> tuple[str, list[Any]]:
     clauses, params = [], []
@@ -478,7 +579,7 @@ def parse_time(value: str) -> float:
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
-        raise ValueError(f"{value!r} is neither unix seconds nor an ISO 8601 date/time") from None
+        raise ValueError(f"{shorten(value)!r} is neither unix seconds nor an ISO 8601 date/time") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return moment.timestamp()
