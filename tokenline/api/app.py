@@ -305,7 +305,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         gateway.check_limits(0, body.requested_max_tokens, "max_tokens")
         return await serving.completion(body, request, ctx)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=success(stream=True))
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await responses.create(body, request, context(request, body.model))
 
