@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench bench-peers clean redis-server
+.PHONY: install model serve test reliability bench bench-peers clean redis-server
 
 install: $(STAMP) model
 
@@ -27,6 +27,11 @@ serve: install
 
 test: install redis-server
 	$(PY) -m pytest -q $(ARGS)
+
+# Load, fault and attack tests against real servers (tests/reliability; `make test` deselects them
+# through the `reliability` marker). A few minutes of CPU: run it on its own.
+reliability: install
+	$(PY) -m pytest -q -m reliability tests/reliability $(ARGS)
 
 # The shared rate-limit tests run a real Redis; Debian's package provides the server binary.
 redis-server:
