@@ -166,9 +166,9 @@ def test_missing_or_wrong_key_is_401_in_openai_shape(edge: KeysServer) -> None:
             response = httpx.request(method, edge.url(path), json=body, headers=headers, timeout=30)
             assert_openai_error(response, 401, "authentication_error", code="invalid_api_key")
             assert response.headers.get("www-authenticate") == "Bearer"
-    # Health and metrics stay open (probes and scrapers carry no key).
+    # Health stays open (probes carry no key); /metrics needs an admin key by default.
     assert httpx.get(edge.url("/health"), timeout=10).status_code == 200
-    assert httpx.get(edge.url("/metrics"), timeout=10).status_code == 200
+    assert_openai_error(httpx.get(edge.url("/metrics"), timeout=10), 401, "authentication_error")
 
 
 def test_a_valid_key_works(edge: KeysServer) -> None:
@@ -346,11 +346,12 @@ def test_tpm_burst_admits_exactly_what_the_bucket_holds(edge: KeysServer) -> Non
         assert math.ceil((P + M - 1 - remaining) * 60 / TPM) <= retry_after <= math.ceil((P + M - remaining) * 60 / TPM)
 
 
-def test_a_429_carries_each_ratelimit_header_once(edge: KeysServer) -> None:
-    """Regression: a 429 carried its own x-ratelimit-* headers and the door's peeked ones again."""
-    # The bucket is (nearly) empty after the burst test; a request larger than TPM is refused anyway.
+def test_a_refusal_carries_each_ratelimit_header_once(edge: KeysServer) -> None:
+    """Regression: a refusal carried its own x-ratelimit-* headers and the door's peeked ones again."""
+    # A request larger than the whole TPM can never fit: a 400 without Retry-After (not a 429).
     response = edge.post("tpm", "/v1/completions", completion_body(max_tokens=TPM))
-    assert_openai_error(response, 429, "rate_limit_error", code="request_too_large")
+    assert_openai_error(response, 400, "invalid_request_error", code="rate_limit_exceeds_capacity")
+    assert "retry-after" not in response.headers
     headers = ratelimit_headers(response)
     assert headers, response.headers
     assert all(len(values) == 1 for values in headers.values()), headers
@@ -408,9 +409,10 @@ def test_daily_token_quota(edge: KeysServer) -> None:
     error = assert_openai_error(second, 429, "rate_limit_error", code="insufficient_quota")
     assert "quota" in error["message"].lower()
     assert int(second.headers["retry-after"]) >= 1
-    # A single request above the whole quota can never pass: it is too large, not out of quota.
+    # A single request above the whole quota can never pass: a 400 without a retry hint.
     huge = edge.post("daily", "/v1/completions", completion_body(max_tokens=60))
-    assert_openai_error(huge, 429, "rate_limit_error", code="request_too_large")
+    assert_openai_error(huge, 400, "invalid_request_error", code="rate_limit_exceeds_capacity")
+    assert "retry-after" not in huge.headers
     # What is left (20) still admits a request that fits.
     fits = edge.post("daily", "/v1/completions", completion_body(max_tokens=50 - 30 - P))
     assert fits.status_code == 200, fits.text

@@ -196,13 +196,25 @@ def test_a_burst_admits_exactly_what_tpm_allows(make_limiter: Callable[..., Rate
     run(make_limiter(clock), body)
 
 
-def test_request_larger_than_tpm_is_refused_as_too_large(make_limiter: Callable[..., RateLimiter]) -> None:
-    t = tenant(tokens_per_minute=1000)
+async def never_fits(limiter: RateLimiter, t: Tenant, prompt: int, max_tokens: int) -> APIError:
+    """A request that can never fit a limit: a 400 without a retry hint (a 429 invites retries)."""
+    with pytest.raises(APIError) as info:
+        await limiter.acquire(t, prompt, max_tokens)
+    err = info.value
+    assert err.status_code == 400 and err.code == "rate_limit_exceeds_capacity", err
+    assert "Retry-After" not in err.headers and err.param == "max_tokens"
+    return err
+
+
+def test_request_larger_than_tpm_is_a_400_without_retry_hint(make_limiter: Callable[..., RateLimiter]) -> None:
+    t = tenant(tokens_per_minute=1000, requests_per_minute=10)
 
     async def body(limiter: RateLimiter) -> None:
-        err = await refused(limiter, t, 500, 501)
-        assert err.code == "request_too_large" and "Request too large" in err.message
-        assert (await limiter.headers(t)).remaining_tokens == 1000  # nothing charged
+        err = await never_fits(limiter, t, 500, 501)
+        assert "Request too large" in err.message and "can never fit" in err.message
+        headers = await limiter.headers(t)
+        assert headers.remaining_tokens == 1000 and headers.remaining_requests == 10  # nothing charged
+        await limiter.acquire(t, 500, 500)  # exactly the limit still fits
 
     run(make_limiter(FakeClock()), body)
 
@@ -263,8 +275,8 @@ def test_daily_quota(make_limiter: Callable[..., RateLimiter]) -> None:
         await refused(limiter, t, 1, 0)
         await limiter.settle(c, 0)
         await limiter.acquire(t, 0, 1000)
-        err = await refused(limiter, t, 1000, 1)
-        assert err.code == "request_too_large"
+        err = await never_fits(limiter, t, 1000, 1)
+        assert "daily token quota" in err.message
 
     run(make_limiter(clock), body)
 

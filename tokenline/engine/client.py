@@ -8,6 +8,12 @@ The routing of outputs is the same for every transport and lives here: outputs f
 request (all its ``n`` sequences) land in an ``OutputCollector``. While the consumer is slow, new
 outputs for a sequence are merged into the one pending record, so memory per request is bounded
 by its token ids (at most ``max_tokens``), never by how long the client stalls.
+
+Supervision is also the same for every transport and lives here: when the engine dies, in-flight
+requests fail with ``EngineDeadError``, and with a ``RestartPolicy`` the client reaps the dead
+engine and starts a new one after an exponential backoff; too many deaths within the policy's
+window and it gives up (``on_give_up``), so whoever runs the server can exit and be restarted.
+Step listeners stay registered across restarts.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from tokenline.engine.kv_events import AllBlocksCleared
 from tokenline.engine.messages import EngineOutput, EngineReady, EngineRequest, EngineStats, StepOutputs
 
 logger = logging.getLogger("tokenline.engine")
@@ -26,6 +35,25 @@ StepListener = Callable[[StepOutputs], None]
 
 class EngineDeadError(RuntimeError):
     """The engine is gone; in-flight requests cannot complete."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead engine comes back: attempt ``k`` (0-based) waits ``min(backoff_max_s,
+    backoff_base_s * 2**k)``, where ``k`` counts the deaths still inside the window; more than
+    ``max_restarts`` deaths within ``window_s`` seconds is a crash loop, and the client gives up."""
+
+    max_restarts: int = 5
+    window_s: float = 300.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_base_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("restart policy: max_restarts >= 0, window_s > 0 and backoffs >= 0 required")
+
+    def backoff(self, attempt: int) -> float:
+        return min(self.backoff_max_s, self.backoff_base_s * 2 ** min(attempt, 30))
 
 
 class EngineRequestError(ValueError):
@@ -67,7 +95,10 @@ class OutputCollector:
         self._event.set()
 
     async def get(self) -> list[EngineOutput]:
-        """Wait for news; return one merged output per request that has some."""
+        """Wait for news; return one merged output per request that has some. A failure is
+        final: every later call raises it at once (the receipt's last look must not wait)."""
+        if self._failure is not None:
+            raise self._failure
         await self._event.wait()
         self._event.clear()
         if self._failure is not None:
@@ -94,12 +125,13 @@ def _merge_into(pending: EngineOutput, newer: EngineOutput) -> None:
 class EngineClient(abc.ABC):
     """An engine seen from the event loop. Subclasses move messages; this class routes them.
 
-    A subclass implements ``start``, ``shutdown``, ``_submit``, ``_cancel`` and ``_transport_alive``,
-    and reports what arrives through ``_set_ready``, ``_deliver``, ``_reject`` and ``_on_dead``
-    (all called on the event loop's thread).
+    A subclass implements ``start``, ``shutdown``, ``_submit``, ``_cancel`` and ``_transport_alive``
+    (and ``_reap`` if a dead engine leaves something to release), and reports what arrives through
+    ``_set_ready``, ``_deliver``, ``_reject`` and ``_on_dead`` (all called on the event loop's
+    thread). ``start`` must work again after a death: the supervisor calls it to restart.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, restart: RestartPolicy | None = None) -> None:
         self.info: EngineReady | None = None  # the model's facts, once the engine is ready
         self.error: str | None = None  # why the engine is gone, once it is
         self.stats = EngineStats()  # the latest load snapshot
@@ -109,6 +141,13 @@ class EngineClient(abc.ABC):
         self._listeners: list[StepListener] = []
         self._ready = asyncio.Event()
         self._stopping = False
+        self.restart_policy = restart  # None: a dead engine stays dead
+        self.restarting = False  # between a death and the next engine's readiness
+        self.gave_up = False  # a crash loop: no more restarts
+        self.restarts = 0  # engines started after a death, over the client's life
+        self.on_give_up: Callable[[str], None] | None = None  # told why, once
+        self._deaths: list[float] = []  # monotonic times of deaths inside the policy's window
+        self._supervisor: asyncio.Task[None] | None = None
 
     # --- what a transport implements ------------------------------------------------------------
 
@@ -132,6 +171,9 @@ class EngineClient(abc.ABC):
     def _transport_alive(self) -> bool:
         """The engine (or the link to it) is still there."""
 
+    async def _reap(self) -> None:  # noqa: B027 - a transport with nothing to release keeps this
+        """Release what a dead engine left behind (a process to wait for), before a restart."""
+
     # --- state ---------------------------------------------------------------------------------
 
     @property
@@ -141,6 +183,20 @@ class EngineClient(abc.ABC):
     @property
     def alive(self) -> bool:
         return self.error is None and self._transport_alive()
+
+    @property
+    def state(self) -> str:
+        """``ok``, ``loading``, ``restarting`` (a new engine is on its way), ``failed`` (dead for good)."""
+        if self.restarting and not self.gave_up:
+            return "restarting"
+        if self.error is not None:
+            return "failed"
+        return "ok" if self.info is not None else "loading"
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's process id where it runs in a local process."""
+        return None
 
     async def wait_ready(self, timeout: float | None = None) -> EngineReady:
         await asyncio.wait_for(self._ready.wait(), timeout)
@@ -216,13 +272,52 @@ class EngineClient(abc.ABC):
             collector.fail(EngineRequestError(param, message))
 
     def _on_dead(self, error: str) -> None:
-        if self.error is None:
+        first = self.error is None
+        if first:
             self.error = "the engine has shut down" if self._stopping else error
             if not self._stopping:
                 logger.error("engine failed: %s", error)
         self._ready.set()
-        failure = EngineDeadError(self.error)
+        failure = EngineDeadError(self.error or error)
         for collector in self._live:
             collector.fail(failure)
         self._collectors.clear()
         self._aborting.clear()
+        if first and not self._stopping:
+            # A new engine starts with an empty cache and no load: tell observers (a prefix index
+            # applying KV events resets) instead of letting them keep the dead engine's picture.
+            self._deliver(StepOutputs([], EngineStats(), [AllBlocksCleared()], []))
+        if first and not self._stopping and self.restart_policy is not None and not self.gave_up:
+            self.restarting = True
+            self._supervisor = asyncio.get_running_loop().create_task(self._restart(), name="engine-restart")
+
+    async def _restart(self) -> None:
+        """Reap the dead engine, wait the backoff, start a new one; give up on a crash loop."""
+        policy = self.restart_policy
+        assert policy is not None
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < policy.window_s] + [now]
+        if len(self._deaths) > policy.max_restarts:
+            self.gave_up = True
+            reason = (f"engine crash loop: {len(self._deaths)} deaths within {policy.window_s:g} s "
+                      f"(--engine-restart-max {policy.max_restarts}); giving up. Last error: {self.error}")
+            logger.critical(reason)
+            if self.on_give_up is not None:
+                self.on_give_up(reason)
+            return
+        delay = policy.backoff(len(self._deaths) - 1)
+        logger.warning("engine died; restart %d of at most %d within %g s in %.2f s",
+                       len(self._deaths), policy.max_restarts, policy.window_s, delay)
+        await self._reap()
+        await asyncio.sleep(delay)
+        if self._stopping:
+            return
+        self.info = None
+        self.error = None
+        self._ready = asyncio.Event()
+        self.restarts += 1
+        self.start()
+        await self._ready.wait()
+        if self.info is not None and self.error is None:
+            self.restarting = False
+            logger.info("engine restarted (pid %s, restart %d)", self.pid, self.restarts)

@@ -41,10 +41,14 @@ def run_engine_process(
     config: EngineConfig, model_dir: str, vocab_size: int | None, inbox: Connection, outbox: Connection
 ) -> None:
     """Entry point of the engine process (started with the ``spawn`` method)."""
+    publisher = None
     try:
+        # A port already taken fails the start visibly, and before the model's long load.
+        publisher = _start_publisher(config)
         core = build_engine_core(config, Path(model_dir), vocab_size)
-        publisher = _start_publisher(config)  # a port already taken fails the start, visibly
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the API process
+        if publisher is not None:
+            publisher.close()
         outbox.send(EngineFailed(f"engine failed to start: {exc!r}"))
         return
     runner = core.runner

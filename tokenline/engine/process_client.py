@@ -1,7 +1,9 @@
 """The ``EngineClient`` of an engine running in a child process of this one (the server's default).
 
 The engine process is spawned (never forked) and talks to us over two pipes; two threads move
-messages so that a blocking pipe never stalls the event loop.
+messages so that a blocking pipe never stalls the event loop. Each start makes a new process,
+pipes and threads (a restart after a death calls ``start`` again); what the threads of an older,
+dead engine still report is dropped, so a late EOF can never kill its successor.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import queue
+import logging
 import threading
 from pathlib import Path
 
-from tokenline.engine.client import EngineClient
+from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.messages import (
     AbortRequest,
@@ -25,9 +28,18 @@ from tokenline.engine.messages import (
     StepOutputs,
 )
 
+logger = logging.getLogger("tokenline.engine")
+
+
+class _Exited:
+    """The reader's note that the engine's pipe closed (the process exited)."""
+
 class EngineProcessClient(EngineClient):
-    def __init__(self, config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, vocab_size: int | None = None,
+        restart: RestartPolicy | None = None,
+    ) -> None:
+        super().__init__(restart)
         self.config = config
         self.model_dir = model_dir
         self.vocab_size = vocab_size
@@ -42,6 +54,8 @@ class EngineProcessClient(EngineClient):
         from tokenline.engine.core_process import run_engine_process
 
         self._loop = asyncio.get_running_loop()
+        self._outbox.put(None)  # stops the writer of a previous (dead) engine, if any
+        self._outbox = outbox = queue.Queue()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
         from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
@@ -55,13 +69,26 @@ class EngineProcessClient(EngineClient):
         # Close our copies of the child's ends so that its death shows up as EOF here.
         to_engine_r.close()
         from_engine_w.close()
-        threading.Thread(target=self._read, args=(from_engine_r,), name="engine-reader", daemon=True).start()
-        threading.Thread(target=self._write, args=(to_engine_w,), name="engine-writer", daemon=True).start()
+        process = self._process
+        threading.Thread(target=self._read, args=(from_engine_r, process), name="engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, args=(to_engine_w, outbox), name="engine-writer", daemon=True).start()
+
+    async def _reap(self) -> None:
+        process = self._process
+        if process is not None:
+            # A dead child stays a zombie until it is waited for; one that hangs gets killed.
+            await asyncio.to_thread(process.join, 5.0)
+            if process.is_alive():
+                process.kill()
+                await asyncio.to_thread(process.join, 5.0)
+            logger.info("engine process %s reaped (exit code %s)", process.pid, process.exitcode)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()  # no restart while we stop
         if self._process is None:
             return
-        self._stopping = True
         self._outbox.put(Shutdown())
         self._outbox.put(None)
         process = self._process
@@ -69,6 +96,7 @@ class EngineProcessClient(EngineClient):
         if process.is_alive():
             process.terminate()
             await asyncio.to_thread(process.join, 5.0)
+        self._on_dead("the engine has shut down")  # whatever still waits hears it now
         self._process = None
 
     @property
@@ -86,27 +114,32 @@ class EngineProcessClient(EngineClient):
     def _transport_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
 
-    def _write(self, conn: object) -> None:
+    def _write(self, conn: object, outbox: queue.Queue[object]) -> None:
         # Pipe writes can block while the engine is mid-step; never let that stall the event loop.
-        while (message := self._outbox.get()) is not None:
+        while (message := outbox.get()) is not None:
             try:
                 conn.send(message)  # type: ignore[attr-defined]
             except (BrokenPipeError, OSError):
                 return
 
-    def _read(self, conn: object) -> None:
+    def _read(self, conn: object, process: multiprocessing.process.BaseProcess) -> None:
         loop = self._loop
         assert loop is not None
         while True:
             try:
                 message = conn.recv()  # type: ignore[attr-defined]
             except (EOFError, OSError):
-                loop.call_soon_threadsafe(self._on_dead, "the engine process exited unexpectedly")
+                loop.call_soon_threadsafe(self._dispatch, process, _Exited())
                 return
-            loop.call_soon_threadsafe(self._dispatch, message)
+            loop.call_soon_threadsafe(self._dispatch, process, message)
 
-    def _dispatch(self, message: object) -> None:
-        if isinstance(message, StepOutputs):
+    def _dispatch(self, process: multiprocessing.process.BaseProcess, message: object) -> None:
+        if process is not self._process:
+            return  # from an engine that died and was replaced
+        if isinstance(message, _Exited):
+            process.join(0)  # reap at once if it is gone (no zombie), without blocking
+            self._on_dead(f"the engine process exited unexpectedly (exit code {process.exitcode})")
+        elif isinstance(message, StepOutputs):
             self._deliver(message)
         elif isinstance(message, EngineReady):
             self._set_ready(message)

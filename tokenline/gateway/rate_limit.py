@@ -157,6 +157,22 @@ def _headers(limits: TenantLimits, snap: _Snapshot) -> RateLimitHeaders | None:
     return RateLimitHeaders(**values)
 
 
+def _never_fits(tenant: Tenant, prompt_tokens: int, max_tokens: int) -> APIError | None:
+    """A request larger than the tenant's whole TPM (or daily) limit can never be admitted, so
+    waiting cannot help: a 400 without Retry-After (a 429 would make clients retry it forever;
+    OpenAI answers 429 here, the openai SDK then retries in vain)."""
+    cost, who = prompt_tokens + max_tokens, f"tenant {tenant.name!r}"
+    for name, limit in (("tokens per minute (TPM)", tenant.limits.tokens_per_minute),
+                        ("daily token quota", tenant.limits.daily_tokens)):
+        if limit is not None and cost > limit:
+            return APIError.bad_request(
+                f"Request too large for the {name} of {who}: limit {limit}, requested {cost} (prompt "
+                f"{prompt_tokens} + max_tokens {max_tokens}); it can never fit, so reduce the prompt or max_tokens.",
+                param="max_tokens", code="rate_limit_exceeds_capacity",
+            )
+    return None
+
+
 def _refusal(tenant: Tenant, prompt_tokens: int, max_tokens: int, snap: _Snapshot) -> APIError:
     """The 429 for a refused request: every limit that refused it, and when to retry."""
     limits, cost, who = tenant.limits, prompt_tokens + max_tokens, f"tenant {tenant.name!r}"
@@ -165,19 +181,11 @@ def _refusal(tenant: Tenant, prompt_tokens: int, max_tokens: int, snap: _Snapsho
     code = "rate_limit_exceeded"
     if snap.refused & _TOKENS and limits.tokens_per_minute is not None and snap.tokens_level is not None:
         tpm, level = limits.tokens_per_minute, max(0.0, snap.tokens_level)
-        if cost > tpm:
-            # Waiting does not help: the request must shrink. OpenAI also answers this with 429.
-            code = "request_too_large"
-            reasons.append(f"Request too large for tokens per minute (TPM) of {who}: limit {tpm}, requested "
-                           f"{cost} (prompt {prompt_tokens} + max_tokens {max_tokens}); "
-                           "reduce the prompt or max_tokens")
-            waits.append(60.0)
-        else:
-            wait = (cost - level) * 60.0 / tpm
-            reasons.append(f"Rate limit reached for tokens per minute (TPM) of {who}: limit {tpm}, remaining "
-                           f"{math.floor(level + 1e-9)}, requested {cost} (prompt {prompt_tokens} + max_tokens "
-                           f"{max_tokens}); try again in {format_duration(wait)}")
-            waits.append(wait)
+        wait = (cost - level) * 60.0 / tpm
+        reasons.append(f"Rate limit reached for tokens per minute (TPM) of {who}: limit {tpm}, remaining "
+                       f"{math.floor(level + 1e-9)}, requested {cost} (prompt {prompt_tokens} + max_tokens "
+                       f"{max_tokens}); try again in {format_duration(wait)}")
+        waits.append(wait)
     if snap.refused & _REQUESTS and limits.requests_per_minute is not None and snap.requests_level is not None:
         rpm, level = limits.requests_per_minute, max(0.0, snap.requests_level)
         wait = (1.0 - level) * 60.0 / rpm
@@ -187,9 +195,7 @@ def _refusal(tenant: Tenant, prompt_tokens: int, max_tokens: int, snap: _Snapsho
     if snap.refused & _DAILY and limits.daily_tokens is not None:
         daily = limits.daily_tokens
         wait = (snap.day + 1) * DAY_S - snap.now  # the quota renews at 00:00 UTC
-        if cost > daily:
-            code = "request_too_large"
-        elif code == "rate_limit_exceeded":
+        if code == "rate_limit_exceeded":
             code = "insufficient_quota"
         reasons.append(f"Daily token quota of {who} reached: limit {daily}, used {snap.daily_used}, requested "
                        f"{cost} (prompt {prompt_tokens} + max_tokens {max_tokens}); it renews at 00:00 UTC")
@@ -223,6 +229,12 @@ class RateLimiter(abc.ABC):
         if tenant.limits.unlimited:
             reservation.tracked = False  # no state to touch: no lock, no round trip
             return reservation
+        too_large = _never_fits(tenant, prompt_tokens, max_tokens)
+        if too_large is not None:  # refused before charging anything, not even the request
+            current = await self.headers(tenant)
+            if current is not None:
+                too_large.headers.update(current.as_dict())
+            raise too_large
         snap = await self._acquire(reservation, peek=False)
         if not snap.admitted:
             raise _refusal(tenant, prompt_tokens, max_tokens, snap)
