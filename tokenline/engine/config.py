@@ -41,6 +41,8 @@ class EngineConfig:
     kv_events_topic: str = ""
     # Structured output: a grammar that has not compiled after this long fails its request.
     grammar_compile_timeout_s: float = 10.0
+    seed: int | None = None  # vLLM's --seed: seeds the RNG of requests that bring no seed of their own
+    tokenizer: str | None = None  # vLLM's --tokenizer: a directory whose tokenizer.json replaces the model's
 
     @property
     def kv_cache_events(self) -> bool:
@@ -102,6 +104,10 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     from tokenline.model.runner import ModelRunner
 
     config.validate()
+    if config.seed is not None:
+        import torch
+
+        torch.manual_seed(config.seed)  # the default RNG draws the noise of unseeded requests
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
@@ -125,7 +131,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     if config.speculative == "ngram":
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     # Structured output needs the tokenizer's vocabulary (bytes of every id) for its masks.
-    tokenizer_path = model_dir / "tokenizer.json"
+    tokenizer_path = Path(config.tokenizer or model_dir) / "tokenizer.json"
     grammar_compiler = None
     if tokenizer_path.is_file():
         grammar_compiler = GrammarCompiler(tokenizer_path, runner.sampler.vocab_size, model_config.eos_token_ids)

@@ -127,3 +127,25 @@ def _default_layer_types(raw: dict[str, Any]) -> list[str]:
     if not interval:
         return ["full_attention"] * layers
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def load_generation_config(source: str, model_dir: Path) -> dict[str, Any]:
+    """vLLM's ``--generation-config``: where unset sampling fields take their defaults from.
+    ``auto``: the model's ``generation_config.json``; ``vllm``: none (neutral defaults); anything
+    else: a folder holding a ``generation_config.json``. Raises ``ValueError`` for a folder without one."""
+    if source == "vllm":
+        return {}
+    folder = model_dir if source == "auto" else Path(source).expanduser()
+    path = folder / "generation_config.json"
+    if source == "auto":
+        return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        raise ValueError(f"--generation-config {source!r}: expected 'auto', 'vllm' or a folder with a "
+                         "generation_config.json, and there is no such file")
+    try:
+        loaded = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"--generation-config: {path} is not valid JSON: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--generation-config: {path} must hold a JSON object")
+    return loaded

@@ -1,0 +1,153 @@
+"""vLLM's `serve` flags on `tokenline serve`, checked at the parser: what each sets, which ones the
+start-up warning names, which values are refused with one line. No server is started here (the
+e2e test tests/e2e/test_vllm_command_line.py runs a copied `vllm serve` command line)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenline.cli import build_parser, serve_settings_from_args
+from tokenline.serve_args import VLLM_FLAGS, no_effect_warning
+
+
+def settings(default_model_dir: Path, *flags: str):  # noqa: ANN201 - (ServerSettings, idle flags)
+    args = build_parser().parse_args(["serve", "--model", str(default_model_dir), *flags])
+    return serve_settings_from_args(args)
+
+
+def test_wired_flags_reach_the_settings_and_engine_config(default_model_dir: Path, tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text('{"temperature": 0.3}')
+    s, idle = settings(
+        default_model_dir, "--served-model-name", "a", "b", "--enable-auto-tool-choice", "--tool-call-parser",
+        "hermes", "--chat-template", str(template), "--generation-config", str(tmp_path / "gen"), "--seed", "7",
+        "--uvicorn-log-level", "warning", "--no-enable-prefix-caching", "--max-num-batched-tokens", "512",
+        "--max-model-len", "1024", "--tokenizer", str(default_model_dir), "--enable-chunked-prefill",
+        "--kv-cache-dtype", "auto",
+    )
+    assert s.model == str(default_model_dir) and s.served_model_name == ["a", "b"]
+    assert s.tool_call_parser == "hermes" and s.chat_template == template.read_text()
+    assert s.generation_config == str(tmp_path / "gen") and s.uvicorn_log_level == "warning"
+    e = s.engine
+    assert (e.seed, e.enable_prefix_caching, e.max_num_batched_tokens, e.max_model_len) == (7, False, 512, 1024)
+    assert e.tokenizer == str(default_model_dir)
+    assert idle == []  # every flag above is honoured: none is named as having no effect
+
+
+def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
+    args = build_parser().parse_args(["serve", str(default_model_dir), "--enable-prefix-caching"])
+    s, idle = serve_settings_from_args(args)
+    assert s.model == str(default_model_dir) and s.served_model_name is None
+    assert s.generation_config == "auto" and s.chat_template is None and s.engine.seed is None
+    assert s.engine.enable_prefix_caching and idle == []
+
+
+def test_inline_chat_template_with_escaped_newlines(default_model_dir: Path) -> None:
+    s, _ = settings(default_model_dir, "--chat-template", "{{ messages[0].content }}\\n")
+    assert s.chat_template == "{{ messages[0].content }}\n"
+
+
+def test_flags_without_effect_are_all_named_in_one_warning(default_model_dir: Path) -> None:
+    _, idle = settings(
+        default_model_dir, "--gpu-memory-utilization", "0.9", "--tensor-parallel-size", "1", "-dp", "1",
+        "--enforce-eager", "--swap-space", "4", "--trust-remote-code", "--download-dir", "/tmp/x",
+        "--disable-log-stats", "--max-logprobs", "5", "--distributed-executor-backend", "mp",
+        "--no-enable-chunked-prefill", "--cpu-offload-gb", "0", "--disable-log-requests",
+    )
+    line = no_effect_warning(idle)
+    assert line is not None and "\n" not in line
+    for flag in ("--gpu-memory-utilization 0.9", "--tensor-parallel-size 1", "--data-parallel-size 1",
+                 "--enforce-eager", "--swap-space 4.0", "--trust-remote-code", "--download-dir /tmp/x",
+                 "--disable-log-stats", "--max-logprobs 5", "--distributed-executor-backend mp",
+                 "--enable-chunked-prefill", "--cpu-offload-gb 0.0"):
+        assert flag in line, flag
+    assert "--disable-log-requests" not in line  # honoured: it has an effect
+
+
+def test_every_table_flag_has_a_status_and_an_explanation() -> None:
+    for flag in VLLM_FLAGS:
+        assert flag.status in ("wired", "no effect", "limited") and flag.does, flag.names
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size: tokenline runs one engine on one device"),
+    (["-pp", "4"], "--pipeline-parallel-size: tokenline runs one engine on one device"),
+    (["--data-parallel-size", "2"], "--data-parallel-size: tokenline runs one engine per server"),
+    (["--quantization", "awq"], "--quantization: quantization 'awq' is not supported"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: kv cache dtype 'fp8' is not supported"),
+    (["--max-logprobs", "50"], "--max-logprobs: at most 20 logprobs"),
+    (["--distributed-executor-backend", "ray"], "executor backend 'ray' is not supported"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--chat-template", "no_such_template.jinja"], "neither a file nor an inline Jinja template"),
+    (["--chat-template", "{% if %}"], "chat template does not compile"),
+    (["--generation-config", "/no/such/folder"], "no such file"),
+    (["--tokenizer", "org/some-tokenizer"], "is not a directory with a tokenizer.json"),
+])
+def test_values_tokenline_cannot_honour_are_refused(default_model_dir: Path, flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        settings(default_model_dir, *flags)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_two_different_models_are_refused(default_model_dir: Path, tmp_path: Path) -> None:
+    args = build_parser().parse_args(["serve", str(default_model_dir), "--model", str(tmp_path)])
+    with pytest.raises(ValueError, match="two models given"):
+        serve_settings_from_args(args)
+
+
+def test_unknown_flags_still_fail() -> None:
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["serve", "--no-such-vllm-flag", "1"])
+    assert caught.value.code == 2
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokenline.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_hugging_face_repo_id_gets_one_line_and_exit_2() -> None:
+    for args in (["HuggingFaceTB/SmolLM2-135M-Instruct"], ["--model", "HuggingFaceTB/SmolLM2-135M-Instruct"]):
+        done = run_serve(*args)
+        assert done.returncode == 2 and done.stdout == ""
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1, done.stderr
+        assert "HuggingFaceTB/SmolLM2-135M-Instruct" in lines[0] and "downloads nothing" in lines[0]
+        assert "tokenline import" in lines[0]
+
+
+def test_an_unsupported_value_exits_2_with_one_line(default_model_dir: Path) -> None:
+    done = run_serve("--model", str(default_model_dir), "--tensor-parallel-size", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "tokenline serve: error: --tensor-parallel-size: tokenline runs one engine on one device; "
+        "only 1 is supported, got 2"
+    ]
+
+
+@pytest.mark.parametrize("source", ["auto", "vllm", "folder"])
+def test_generation_config_sets_the_processors_sampling_defaults(
+    default_model_dir: Path, tmp_path: Path, source: str
+) -> None:
+    from tests.gateway.fake_engine import FakeEngineClient
+    from tokenline.api.app import ServerSettings, build_app
+
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"temperature": 0.25, "top_k": 5}')
+    chosen = str(folder) if source == "folder" else source
+    app = build_app(ServerSettings(model=str(default_model_dir), generation_config=chosen,
+                                   usage_db=str(tmp_path / "u.sqlite3")), client=FakeEngineClient([1]))
+    expected = {
+        "auto": json.loads((default_model_dir / "generation_config.json").read_text()),
+        "vllm": {},
+        "folder": {"temperature": 0.25, "top_k": 5},
+    }[source]
+    assert app.state.serving.processor.generation_config == expected
