@@ -149,3 +149,23 @@ def test_tool_choice_naming_an_unknown_tool_is_a_400(hybrid: Server) -> None:
     response = chat(hybrid, messages=[{"role": "user", "content": "x"}], tools=TOOLS,
                     tool_choice={"type": "function", "function": {"name": "nope"}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+
+
+def test_a_tool_call_cut_off_by_max_tokens_is_content_with_finish_reason_length(hybrid: Server) -> None:
+    # The grammar starts a call at once; 6 tokens cannot finish it, so the length limit cuts it off.
+    body = {"messages": [{"role": "user", "content": "Time?"}], "tools": ENUM_TOOLS, "tool_choice": "required",
+            "max_tokens": 6, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    choice = chat(hybrid, **body).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls"), choice
+    assert choice["message"]["content"].startswith("<tool_call>")
+    chunks = [c for c in stream_chunks(hybrid, **body) if c["choices"]]
+    assert not any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == choice["message"]["content"]
+    # Given room, the same request ends its call: tool_calls, and finish_reason "tool_calls", both ways.
+    done = chat(hybrid, **{**body, "max_tokens": 120}).json()["choices"][0]
+    assert done["message"]["tool_calls"] and done["finish_reason"] == "tool_calls"
+    chunks = [c for c in stream_chunks(hybrid, **{**body, "max_tokens": 120}) if c["choices"]]
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -60,3 +60,20 @@ def test_starting_inside_reasoning() -> None:
     parser = ChatOutputParser(reasoning=True, starts_in_reasoning=True, tools=False)
     piece = stream(parser, "still thinking</think>\n\nThe answer.", 2)
     assert piece.reasoning == "still thinking" and piece.content == "The answer."
+
+
+def test_finish_reason_is_tool_calls_exactly_when_calls_are_reported() -> None:
+    cut = OUTPUT[: OUTPUT.index("</tool_call>")]  # the length limit hit right after the call's JSON
+    for truncated, reason in ((False, "stop"), (True, "length")):
+        streamed = ChatOutputParser(reasoning=True, starts_in_reasoning=False, tools=True)
+        piece = streamed.feed(cut).merged(streamed.finish(truncated=truncated))
+        whole = ChatOutputParser(reasoning=True, starts_in_reasoning=False, tools=True)
+        parsed = whole.parse_all(cut, truncated=truncated)
+        if truncated:  # cut off: no call, the block stays content, the reason stays "length"
+            assert piece.tool_calls == [] and parsed.tool_calls == []
+            assert piece.content == parsed.content and parsed.content.startswith("Let me check.\n<tool_call>")
+        else:  # the model ended the output after complete JSON: a call, sent as one delta
+            assert [(c.name, json.loads(c.arguments or "")) for c in piece.tool_calls] == calls_of(piece)
+            assert len(piece.tool_calls) == 1 and len(parsed.tool_calls) == 1
+        expected = reason if truncated else "tool_calls"
+        assert streamed.finish_reason(reason) == whole.finish_reason(reason) == expected

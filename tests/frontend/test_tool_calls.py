@@ -115,19 +115,38 @@ def test_stream_equals_whole_at_every_split(output: str, content: str, calls: li
         assert stream(deltas) == (content, calls), deltas
 
 
-def test_arguments_stream_in_pieces_before_the_call_closes() -> None:
+def test_a_call_is_sent_whole_once_it_closes() -> None:
     parser = ToolCallStreamParser()
     assert parser.feed("Sure.\n\n<tool") == [ContentDelta("Sure.")]
     assert parser.feed('_call>\n{"name": "get_weather", ') == []
-    events = parser.feed('"arguments": {"city": "Par')
+    # Until </tool_call> the length limit may still cut the call off: nothing of it is sent.
+    assert parser.feed('"arguments": {"city": "Paris"}}\n</tool_') == []
+    events = parser.feed("call>")
     assert isinstance(events[0], ToolCallStart) and events[0].name == "get_weather" and events[0].index == 0
-    assert events[1:] == [ToolCallArgumentsDelta(0, '{"city": "Par')]
-    # A closing brace could be the call object's own, so it waits for what follows.
-    assert parser.feed('is"}') == [ToolCallArgumentsDelta(0, 'is"')]
-    assert parser.feed("}\n</tool_") == [ToolCallArgumentsDelta(0, "}")]
-    assert parser.feed("call>") == []
+    assert events[1:] == [ToolCallArgumentsDelta(0, '{"city": "Paris"}')]
     assert parser.finish() == []
     assert parser.num_calls == 1
+
+
+# (output, content, calls) when the length limit ended the output: an unterminated block was cut
+# off, so it is content even where its JSON happens to be complete; closed calls before it count.
+TRUNCATED: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ('<tool_call>\n{"name": "g", "arguments": {"a": 1', '<tool_call>\n{"name": "g", "arguments": {"a": 1', []),
+    ('<tool_call>\n{"name": "g", "arguments": {"a": 1}}\n</tool',
+     '<tool_call>\n{"name": "g", "arguments": {"a": 1}}\n</tool', []),
+    (call("f", "{}") + '\n<tool_call>\n{"name": "g", "argu', '<tool_call>\n{"name": "g", "argu', [("f", "{}")]),
+    ("Sure. " + call("f", WEATHER), "Sure.", [("f", WEATHER)]),
+]
+
+
+@pytest.mark.parametrize(("output", "content", "calls"), TRUNCATED)
+def test_a_call_cut_off_by_the_length_limit_is_content(output: str, content: str, calls: list[tuple[str, str]]) -> None:
+    got_content, got_calls = parse_tool_calls(output, truncated=True)
+    assert (got_content, [(c.name, c.arguments_json) for c in got_calls]) == (content, calls)
+    for deltas in all_splits(output):
+        parser = ToolCallStreamParser()
+        events = [e for d in deltas for e in parser.feed(d)] + parser.finish(truncated=True)
+        assert collect(events) == (content, calls), deltas
 
 
 def test_partial_opening_tag_is_held_never_leaked() -> None:

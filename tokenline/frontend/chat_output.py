@@ -56,23 +56,31 @@ class ChatOutputParser:
     def feed(self, delta: str) -> ChatPiece:
         return self._shape(*self._split(delta))
 
-    def finish(self) -> ChatPiece:
+    def finish(self, truncated: bool = False) -> ChatPiece:
+        """The output ended; ``truncated``: by the length limit, so a call still open is content."""
         reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
         piece = self._shape(reasoning, content)
         if self._tools is not None:
-            piece = piece.merged(self._events(self._tools.finish()))
+            piece = piece.merged(self._events(self._tools.finish(truncated)))
         return piece
 
-    def parse_all(self, text: str) -> ParsedChat:
-        """The whole output at once (non-streaming responses)."""
+    def parse_all(self, text: str, truncated: bool = False) -> ParsedChat:
+        """The whole output at once (non-streaming responses); ``truncated`` as in ``finish``."""
         reasoning = None
         if self._reasoning is not None:
             reasoning, text = split_reasoning(text, starts_in_reasoning=self._starts_in_reasoning)
         calls: list[ToolCall] = []
         if self._tools is not None:
-            text, calls = parse_tool_calls(text)
+            text, calls = parse_tool_calls(text, truncated)
         self.made_tool_calls = bool(calls)
         return ParsedChat(reasoning, text, calls)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The choice's finish_reason as reported: "tool_calls" whenever it carries calls (all of
+        them complete: a call the length limit cut off was left as content)."""
+        if self.made_tool_calls and reason in ("stop", "length"):
+            return "tool_calls"
+        return reason
 
     def _split(self, text: str) -> tuple[str, str]:
         if self._reasoning is None:
@@ -95,5 +103,9 @@ class ChatOutputParser:
                 self.made_tool_calls = True
                 piece.tool_calls.append(ToolCallPiece(event.index, event.id, event.name, ""))
             elif isinstance(event, ToolCallArgumentsDelta):
-                piece.tool_calls.append(ToolCallPiece(event.index, arguments=event.arguments))
+                last = piece.tool_calls[-1] if piece.tool_calls else None
+                if last is not None and last.index == event.index:
+                    last.arguments = (last.arguments or "") + event.arguments  # one delta per call
+                else:
+                    piece.tool_calls.append(ToolCallPiece(event.index, arguments=event.arguments))
         return piece

@@ -1,9 +1,14 @@
 """Tool calls in Qwen/Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 
 `parse_tool_calls` splits a finished output into content and calls; `ToolCallStreamParser` does
-the same on a stream, the way OpenAI streams them: content deltas, then per call a start event
-(id, name) and the `arguments` JSON text in pieces. A block that is not a valid call (bad JSON,
-no name) stays in the content as written, and nothing here raises on model output.
+the same on a stream: content deltas, and per call a start event (id, name) and its `arguments`
+JSON text. A block that is not a valid call (bad JSON, no name) stays in the content as written,
+and nothing here raises on model output.
+
+Only complete calls are calls: a block closed by `</tool_call>`, or one the model itself ended
+right after its JSON. A block the length limit cut off (`truncated`) is content, so a response
+that carries tool calls always has finish_reason "tool_calls" and one cut short keeps "length".
+A stream therefore sends each call once it is complete, never arguments that may yet be cut off.
 
 Whitespace that only separates a call from the content around it ("Sure.\\n\\n<tool_call>...",
 the newline between two calls) is layout, so it is dropped on that side of each valid call.
@@ -37,8 +42,8 @@ __all__ = [
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
-# The start of a call in the layout models write: name first, then an object of arguments. Once
-# this much has arrived the call can be announced and its arguments streamed.
+# The start of a call in the layout models write: name first, then an object of arguments, whose
+# text is then passed on exactly as the model wrote it.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 # Whitespace, the call object's own closing brace, whitespace: what follows the arguments.
 _CALL_TAIL = re.compile(r"\s*\}?\s*\Z")
@@ -171,11 +176,12 @@ def _decode_call(body: str) -> tuple[str, str] | None:
     return call["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, truncated: bool = False) -> tuple[str, list[ToolCall]]:
     """Split a whole output into (content, calls). Malformed blocks stay in the content.
 
     A final block missing its `</tool_call>` (the model stopped right after the JSON) still
-    counts if its JSON is a complete call, as in streaming.
+    counts if its JSON is a complete call, unless the length limit ended the output
+    (`truncated`): then it was cut off and stays content.
     """
     pieces: list[str] = []
     calls: list[ToolCall] = []
@@ -195,7 +201,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         else:
             body = text[body_start:end]
         after = len(text) if end < 0 else end + len(TOOL_CALL_END)
-        decoded = _decode_call(body)
+        decoded = None if end < 0 and truncated else _decode_call(body)
         if decoded is None:
             if end < 0:
                 break
@@ -218,10 +224,9 @@ class ToolCallStreamParser:
     """Incremental `parse_tool_calls`: feed content deltas, get content and tool-call events.
 
     Text that may be the start of `<tool_call>` (and whitespace before it) is held back until it
-    is decided. A call in the usual layout is announced as soon as its name is known and its
-    arguments then stream as they arrive; other layouts are buffered to `</tool_call>` and parsed
-    whole. A call already announced cannot be taken back, so if its JSON later proves broken the
-    client gets the broken arguments (`parse_tool_calls` would leave that block as content).
+    is decided; a block is held until it closes and then sent as one call (start and arguments)
+    or, if it is not a valid call, as the content it was. So the stream carries exactly the calls
+    and content `parse_tool_calls` finds in the whole output.
     """
 
     def __init__(self) -> None:
@@ -229,15 +234,12 @@ class ToolCallStreamParser:
         self._in_call = False
         self._ws_before = ""  # whitespace dropped before the open block (restored if it is not a call)
         self._strip_next = False  # drop leading whitespace: the previous thing was a call
-        self._index = -1  # index of the open call once announced, else -1
-        self._args_start = 0  # where the announced call's arguments begin in the body
-        self._args_sent = 0  # characters of those arguments already sent
         self._calls = 0
         self._finished = False
 
     @property
     def num_calls(self) -> int:
-        """Calls announced so far."""
+        """Calls sent so far."""
         return self._calls
 
     def feed(self, delta: str) -> list[StreamEvent]:
@@ -257,8 +259,9 @@ class ToolCallStreamParser:
                 break
         return events
 
-    def finish(self) -> list[StreamEvent]:
-        """The output ended: settle an unterminated block and release held text."""
+    def finish(self, truncated: bool = False) -> list[StreamEvent]:
+        """The output ended: settle an unterminated block and release held text. ``truncated``: the
+        length limit ended it, so an unterminated block was cut off and is content."""
         if self._finished:
             return []
         self._finished = True
@@ -271,14 +274,9 @@ class ToolCallStreamParser:
                 events.append(ContentDelta(tail))
             return events
         body = held[: len(held) - _partial_tag_len(held, TOOL_CALL_END)]
-        if self._index >= 0:
-            # Announced: send the rest of the arguments (the model stopped after the JSON).
-            self._send_arguments(body, final=True, events=events)
-            return events
-        decoded = _decode_call(body)
+        decoded = None if truncated else _decode_call(body)
         if decoded is not None:
-            self._announce(decoded[0], events)
-            events.append(ToolCallArgumentsDelta(self._index, decoded[1]))
+            self._send_call(decoded, events)
         else:
             events.append(ContentDelta(self._ws_before + TOOL_CALL_START + held))
         return events
@@ -300,7 +298,6 @@ class ToolCallStreamParser:
                 events.append(ContentDelta(release))
             self._ws_before = before[len(release) :]
             self._in_call = True
-            self._index = -1
             return text[at + len(TOOL_CALL_START) :]
         # Hold a possible partial opening tag, and whitespace before it that a call would drop.
         keep = len(text) - _partial_tag_len(text, TOOL_CALL_START)
@@ -311,51 +308,25 @@ class ToolCallStreamParser:
         return None
 
     def _feed_call(self, body: str, events: list[StreamEvent]) -> str | None:
-        """Inside a block: stream or buffer the body; return the text after `</tool_call>`, or None."""
+        """Inside a block: hold the body; return the text after `</tool_call>`, or None."""
         end = body.find(TOOL_CALL_END)
         if end < 0:
             self._held = body
-            if self._index < 0:
-                head = _CALL_HEAD.match(body)
-                if head is not None:
-                    self._announce(json.loads(head.group(1)), events)
-                    self._args_start = head.end()
-                    self._args_sent = 0
-            if self._index >= 0:
-                visible = body[: len(body) - _partial_tag_len(body, TOOL_CALL_END)]
-                self._send_arguments(visible, final=False, events=events)
             return None
         call_body, rest = body[:end], body[end + len(TOOL_CALL_END) :]
         self._in_call = False
-        if self._index >= 0:
-            self._send_arguments(call_body, final=True, events=events)
-            self._strip_next = True
-            return rest
         decoded = _decode_call(call_body)
         if decoded is None:
             # Not a call after all: the whole block is content, whitespace before it included.
             events.append(ContentDelta(self._ws_before + TOOL_CALL_START + call_body + TOOL_CALL_END))
             self._strip_next = False
         else:
-            self._announce(decoded[0], events)
-            events.append(ToolCallArgumentsDelta(self._index, decoded[1]))
+            self._send_call(decoded, events)
             self._strip_next = True
         return rest
 
-    def _announce(self, name: str, events: list[StreamEvent]) -> None:
-        self._index = self._calls
+    def _send_call(self, decoded: tuple[str, str], events: list[StreamEvent]) -> None:
+        index = self._calls
         self._calls += 1
-        events.append(ToolCallStart(self._index, new_tool_call_id(), name))
-
-    def _send_arguments(self, body: str, final: bool, events: list[StreamEvent]) -> None:
-        """Send the announced call's arguments known so far from `body`.
-
-        The arguments end where the call object closes, so a trailing `}` (with whitespace) is
-        held until more text shows whether it was the arguments' own or the call's.
-        """
-        text = _arguments_text(body, self._args_start)
-        if len(text) > self._args_sent:
-            events.append(ToolCallArgumentsDelta(self._index, text[self._args_sent :]))
-            self._args_sent = len(text)
-        if final:
-            self._index = -1
+        events.append(ToolCallStart(index, new_tool_call_id(), decoded[0]))
+        events.append(ToolCallArgumentsDelta(index, decoded[1]))
