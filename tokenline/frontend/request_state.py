@@ -33,6 +33,7 @@ class SequenceState:
     engine_final: EngineOutput | None = None
     first_token_at: float | None = None
     last_output_at: float | None = None
+    content_filter: str | None = None  # the output filter that ended the text, if one did
 
     @property
     def finished(self) -> bool:
@@ -44,6 +45,13 @@ class SequenceState:
         if self.engine_final is not None:
             return self.engine_final.num_output_tokens
         return len(self.token_ids)
+
+    def cut(self, at: int, by: str) -> None:
+        """An output filter flagged the text from character ``at`` on: the text ends before it.
+        The caller aborts the engine request; the tokens it produced are still billed."""
+        self.stream.text = self.stream.text[:at]
+        self.finish_reason = "content_filter"
+        self.content_filter = by
 
     @property
     def stop_reason(self) -> int | str | None:

@@ -14,6 +14,10 @@ tokens_per_minute = 20000
 max_concurrent = 4
 daily_tokens = 1000000
 admin = false                  # may call admin endpoints (usage, reload)
+
+[[tenant.content_filter]]      # optional: this tenant's safety filters (gateway/filters.py);
+type = "blocklist"             # none listed: the server's --content-filter default;
+words = ["..."]                # `content_filter = []`: no filters for this tenant
 ```
 """
 
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenline.gateway.filters import ContentFilter, FilterConfigError, parse_filters
+
 __all__ = ["KeyFileError", "KeyStore", "Tenant", "TenantLimits", "add_key", "hash_key"]
 
 logger = logging.getLogger(__name__)
@@ -43,7 +49,7 @@ logger = logging.getLogger(__name__)
 _NAME_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "daily_tokens")
-_TENANT_FIELDS = frozenset({"name", "key_sha256", "models", "admin", *_LIMIT_FIELDS})
+_TENANT_FIELDS = frozenset({"name", "key_sha256", "models", "admin", "content_filter", *_LIMIT_FIELDS})
 KEY_PREFIX = "tl-"
 
 
@@ -73,6 +79,8 @@ class Tenant:
     models: tuple[str, ...] = ("*",)
     limits: TenantLimits = TenantLimits()
     admin: bool = False
+    # The tenant's own safety filters ([[tenant.content_filter]]); None: the server's default.
+    content_filters: tuple[ContentFilter, ...] | None = field(default=None, repr=False, compare=False)
 
 
 def hash_key(key: str) -> str:
@@ -113,7 +121,13 @@ def _parse_tenant(where: str, table: Any) -> Tenant:
     if not isinstance(admin, bool):
         raise KeyFileError(f"{where}: admin must be true or false")
     limits = TenantLimits(**{f: _parse_limit(where, f, table.get(f)) for f in _LIMIT_FIELDS})
-    return Tenant(name, digest.lower(), tuple(models), limits, admin)
+    filters = None
+    if "content_filter" in table:
+        try:
+            filters = parse_filters(where, table["content_filter"])
+        except FilterConfigError as exc:
+            raise KeyFileError(str(exc)) from None
+    return Tenant(name, digest.lower(), tuple(models), limits, admin, filters)
 
 
 def _parse_text(text: str, source: str) -> list[Tenant]:

@@ -10,7 +10,7 @@ requests that produced a first token and e2e latency's count equals the sum of
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from fastapi.responses import Response
@@ -87,8 +87,12 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The server's own registry (no global state): engine series plus per-request observations."""
 
-    def __init__(self, source: StatsSource, model_name: str) -> None:
+    def __init__(self, source: StatsSource, model_name: str, tenant_labels: bool = False) -> None:
         self.model_name = model_name
+        # Tenant names (customers) and their spend are business data: on /metrics only when the
+        # operator asks (--metrics-tenant-labels); otherwise those series are summed over tenants.
+        self.tenant_labels = tenant_labels
+        t = ["tenant"] if tenant_labels else []
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(source, model_name))
         r, m = self.registry, ["model_name"]
@@ -119,9 +123,13 @@ class ServerMetrics:
         self.rejected = Counter("tokenline_rejected_requests", "Requests refused at the edge, by reason.",
                                 ["reason"], registry=r)
         self.rate_limited = Counter("tokenline_rate_limited_requests", "Requests refused by a rate limit.",
-                                    ["tenant", "limit"], registry=r)
+                                    [*t, "limit"], registry=r)
         self.spend = Counter("tokenline_spend_usd", "Spend recorded in the usage ledger (USD).",
-                             ["tenant", "model_name"], registry=r)
+                             [*t, "model_name"], registry=r)
+        self.content_filter = Counter(
+            "tokenline:content_filter_decisions", "Safety-filter verdicts: one per request per filter and stage.",
+            ["filter", "stage", "verdict"], registry=r,
+        )
 
         # Every per-request series exists at zero from start-up, as vLLM's do, so a dashboard of a
         # fresh server shows 0 rather than "no data".
@@ -131,6 +139,21 @@ class ServerMetrics:
             family.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+
+    def declare_filter(self, name: str, stages: Iterable[str], verdicts: Iterable[str]) -> None:
+        """A configured filter's series exist at zero before its first verdict."""
+        for stage in stages:
+            for verdict in verdicts:
+                self.content_filter.labels(name, stage, verdict)
+
+    def count_rate_limited(self, tenant: str, limit: str) -> None:
+        self.rate_limited.labels(*self._tenant(tenant), limit).inc()
+
+    def add_spend(self, tenant: str, model: str, usd: float) -> None:
+        self.spend.labels(*self._tenant(tenant), model).inc(usd)
+
+    def _tenant(self, tenant: str) -> list[str]:
+        return [tenant] if self.tenant_labels else []
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model_name).observe(ttft_s)

@@ -39,11 +39,19 @@ class RequestTrace:
     completion_tokens: int = 0
     response_id: str | None = None  # the id in the response body (chatcmpl-…, cmpl-…)
     engine_request_ids: list[str] = field(default_factory=list)  # one per choice, as the engine knows them
+    # Safety-filter verdicts: {"stage", "filter", "verdict", "reason", "at_s"}, in the order made.
+    content_filter: list[dict[str, Any]] = field(default_factory=list)
 
     def mark(self, stage: str, at: float | None = None) -> None:
         """Record a stage once (the first time it happens)."""
         if stage not in self.stamps:
             self.stamps[stage] = time.monotonic() if at is None else at
+
+    def filter_decision(self, stage: str, filter_name: str, verdict: str, reason: str | None) -> None:
+        at = round(time.monotonic() - self.stamps.get("arrived", time.monotonic()), 6)
+        self.content_filter.append(
+            {"stage": stage, "filter": filter_name, "verdict": verdict, "reason": reason, "at_s": at}
+        )
 
     def since_arrival(self, stage: str) -> float | None:
         at = self.stamps.get(stage)
@@ -65,21 +73,28 @@ class RequestTrace:
             "status": self.status,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "content_filter": self.content_filter,
         }
 
 
 class TraceStore:
-    """The most recent traces, oldest evicted first."""
+    """The most recent traces, oldest evicted first, keyed by (tenant, request id): ids are the
+    caller's, so one tenant reusing another's id must not replace (or reveal) the other's trace."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
-        self._traces: OrderedDict[str, RequestTrace] = OrderedDict()
+        self._traces: OrderedDict[tuple[str | None, str], RequestTrace] = OrderedDict()
 
     def add(self, trace: RequestTrace) -> None:
-        self._traces[trace.request_id] = trace
-        self._traces.move_to_end(trace.request_id)
+        key = (trace.tenant, trace.request_id)
+        self._traces[key] = trace
+        self._traces.move_to_end(key)
         while len(self._traces) > self.capacity:
             self._traces.popitem(last=False)
 
-    def get(self, request_id: str) -> RequestTrace | None:
-        return self._traces.get(request_id)
+    def get(self, tenant: str | None, request_id: str) -> RequestTrace | None:
+        return self._traces.get((tenant, request_id))
+
+    def newest_with_id(self, request_id: str) -> RequestTrace | None:
+        """Any tenant's latest trace with this id (for an admin; a scan, admins are few)."""
+        return next((t for t in reversed(self._traces.values()) if t.request_id == request_id), None)
