@@ -48,6 +48,7 @@ requests_per_minute = 2
     settings = ServerSettings(
         model=str(default_model_dir), served_model_name="fake-model", keys_file=str(keys),
         prices_file=str(prices), usage_db=str(ledger), max_tokens_cap=64,
+        metrics_auth="none", metrics_tenant_labels=True,  # the operator opts in to both
     )
     reply_ids = Tokenizer.from_dir(default_model_dir).encode(REPLY, add_special_tokens=False)
     engine = FakeEngineClient(reply_ids)
