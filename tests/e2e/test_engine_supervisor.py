@@ -69,10 +69,16 @@ def usage_db(server: Server) -> Path:
     return server.log_path.parent / f"usage-{port}.sqlite3"
 
 
+READY_AGAIN_S = 15.0  # a restarted engine serves again within this on an otherwise idle machine
+COLD_START_S: list[float] = []  # how long this server took to start cold (the machine's pace now)
+
+
 @pytest.fixture(scope="module")
 def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("supervised")
+    started = time.monotonic()
     with start_server(tmp, "--dtype", "float32", "--engine-restart-backoff", "0.2") as server:
+        COLD_START_S.append(time.monotonic() - started)
         yield server
 
 
@@ -103,7 +109,9 @@ def test_killed_engine_is_reaped_and_restarted(supervised: Server) -> None:
     # Not ready (503, saying so, with Retry-After) until the new engine is, while /live stays 200;
     # a request meanwhile gets a clean 503 with Retry-After, never a 500.
     seen_restarting, seen_503_request = False, False
-    deadline = time.monotonic() + 15
+    # 15 s; on a machine so busy that a cold start took longer, no longer than that cold start.
+    ready_within = max(READY_AGAIN_S, *COLD_START_S)
+    deadline = time.monotonic() + ready_within
     while time.monotonic() < deadline:
         assert httpx.get(f"{supervised.base_url}/live", timeout=5).status_code == 200
         r = health(supervised)
@@ -121,7 +129,7 @@ def test_killed_engine_is_reaped_and_restarted(supervised: Server) -> None:
                 seen_503_request = True
         time.sleep(0.1)
     ready = health(supervised)
-    assert ready.status_code == 200, f"not ready 15 s after the kill: {ready.text}\n{supervised.log()[-3000:]}"
+    assert ready.status_code == 200, f"not ready {ready_within:.0f} s after the kill: {ready.text}"
     assert seen_restarting and seen_503_request
     body = ready.json()
     assert body["engine_pid"] != old_pid and body["engine_restarts"] == 1

@@ -35,8 +35,10 @@ class ErrorResponse(BaseModel):
 class HealthStatus(BaseModel):
     """/health and /ping: 200 when an engine is ready, 503 (same shape) while it is not."""
 
-    status: str  # "ok", "loading", "restarting", "error", ...
+    status: str  # "ok", "loading", "restarting" (a dead engine is coming back), "failed"
     error: str | None = None
+    engine_pid: int | None = None  # the engine process, where it runs locally
+    engine_restarts: int = 0  # engines started after a death since the server started
 
 
 _REQUEST_ID = {"X-Request-Id": {"description": "The request's id (the caller's, sanitized, or assigned)",
