@@ -67,7 +67,11 @@ class ResponsesServing:
             history = previous.continued()
         conversation = [*history, *request.input_items()]
         chat = request.to_chat(conversation)
-        self.chat.gateway.check_limits(len(chat.messages), request.max_output_tokens, "max_output_tokens")
+        try:
+            self.chat.gateway.check_limits(len(chat.messages), request.max_output_tokens, "max_output_tokens")
+        except APIError as exc:
+            exc.param = "input" if exc.param == "messages" else exc.param  # the conversation's items
+            raise
         gen = await self.chat.start_chat(chat, ctx, response_id=new_id("resp"))
         run = _Run(request, gen, conversation)
         if request.stream:
