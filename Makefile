@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test reliability bench bench-peers clean redis-server
+.PHONY: install model serve test reliability bench bench-peers clean redis-server prometheus
 
 install: $(STAMP) model
 
@@ -25,7 +25,7 @@ model: $(STAMP)
 serve: install
 	$(VENV)/bin/tokenline serve $(ARGS)
 
-test: install redis-server
+test: install redis-server prometheus
 	$(PY) -m pytest -q $(ARGS)
 
 # Load, fault and attack tests against real servers (tests/reliability; `make test` deselects them
@@ -36,6 +36,10 @@ reliability: install
 # The shared rate-limit tests run a real Redis; Debian's package provides the server binary.
 redis-server:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+# tests/deploy runs the Grafana dashboard's queries on a real Prometheus (Debian's 2.42, with promtool).
+prometheus:
+	@command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)
 
 bench: install
 	$(VENV)/bin/tokenline bench throughput $(ARGS)
