@@ -41,7 +41,7 @@ class StreamResult:
 def async_client(connections: int) -> httpx.AsyncClient:
     # No keep-alive: every stream is its own connection, as many independent clients would be.
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=0)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(180, connect=30))
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300, connect=30))
 
 
 async def stream_to_end(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str) -> StreamResult:
