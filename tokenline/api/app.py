@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -368,27 +369,35 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             raise APIError.forbidden("this key may not use admin endpoints")
 
     @app.post("/tokenize", response_model=None, responses=success(TokenizeResponse))
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> Response:
         body.check()
         serving.check_model(body.model)
-        if body.messages is not None:
-            # Off the event loop, bounded (frontend/text_pool.py): a 4 MB body must not stall /health.
-            tokens = await serving.text_pool.run(serving.render_chat, body)
-        else:
-            # As a completion prompt: special-token strings stay text unless the operator opted in.
-            tokens = await serving.text_pool.run(
-                serving.processor.encode, body.prompt or "", add_special_tokens=body.use_special_tokens
-            )
         info = client.info
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
+
+        def work() -> bytes:
+            if body.messages is not None:
+                tokens = serving.render_chat(body)
+            else:
+                # As a completion prompt: special-token strings stay text unless the operator opted in.
+                tokens = serving.processor.encode(body.prompt or "", add_special_tokens=body.use_special_tokens)
+            # Serialized here too: FastAPI's encoder takes seconds over a million ids.
+            payload = {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
+            return json.dumps(payload, separators=(",", ":")).encode()
+
+        # Off the event loop, bounded (frontend/text_pool.py): a 4 MB body must not stall /health.
+        return Response(await serving.text_pool.run(work), media_type="application/json")
 
     @app.post("/detokenize", response_model=None, responses=success(DetokenizeResponse))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         vocab = tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError.bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": await serving.text_pool.run(tokenizer.decode, body.tokens, skip_special_tokens=False)}
+
+        def work() -> dict[str, Any]:
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise APIError.bad_request(f"token ids must be in [0, {vocab})", param="tokens")
+            return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+        return await serving.text_pool.run(work)  # off the event loop, like /tokenize
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=success(description="Prometheus metrics"))
     async def prometheus_metrics() -> Response:

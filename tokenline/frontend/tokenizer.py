@@ -183,7 +183,9 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS token).
         `parse_special_tokens=False`: special-token strings in `text` are tokenized as text (user text)."""
         backend = self._backend if parse_special_tokens else self.guard.text_backend
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call releases the GIL while it works (tokenizers
+        # 0.23), so a large prompt tokenized on a text-pool thread does not stall the event loop.
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @cached_property
     def guard(self) -> SpecialTokenGuard:

@@ -115,7 +115,8 @@ class SpecialTokenGuard:
 
     def encode(self, rendered: RenderedChat) -> list[int]:
         """Ids of rendered chat text (no post-processor: the template writes any BOS it wants)."""
-        encoding = self._backend.encode(rendered.marked, add_special_tokens=False)
+        # encode_batch releases the GIL (encode does not): see Tokenizer.encode.
+        encoding = self._backend.encode_batch([rendered.marked], add_special_tokens=False)[0]
         if not rendered.originals:
             return encoding.ids
         marked = rendered.marked
@@ -127,7 +128,7 @@ class SpecialTokenGuard:
             stretch = marked[start:end]
             if any(p in stretch for p in rendered.originals):
                 text = self.restore(stretch, rendered.originals)
-                ids.extend(self.text_backend.encode(text, add_special_tokens=False).ids)
+                ids.extend(self.text_backend.encode_batch([text], add_special_tokens=False)[0].ids)
             else:
                 ids.extend(run)
             run.clear()
