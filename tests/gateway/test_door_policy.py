@@ -1,0 +1,64 @@
+"""The door's access rules and the per-tenant trace store, as plain objects (real servers exercise
+them in tests/e2e/test_access.py and test_slow_clients.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenline.gateway.door_policy import Access, DoorPolicy, resolve_metrics_auth
+from tokenline.gateway.trace import RequestTrace, TraceStore
+
+
+def test_with_keys_only_the_probes_are_open() -> None:
+    policy = DoorPolicy(keys_configured=True, metrics_auth="admin")
+    for path in ("/health", "/ping", "/live"):
+        assert policy.access(path, 8000) is Access.OPEN, path
+    for path in ("/version", "/tokenize", "/detokenize", "/v1/models", "/admin/usage", "/openapi.json", "/docs",
+                 "/v1/requests/x/trace", "/anything-else"):
+        assert policy.access(path, 8000) is Access.KEY, path
+    assert policy.access("/metrics", 8000) is Access.ADMIN
+    assert DoorPolicy(keys_configured=False).access("/tokenize", 8000) is Access.OPEN
+
+
+@pytest.mark.parametrize(("mode", "access"), [("admin", Access.ADMIN), ("key", Access.KEY), ("none", Access.OPEN)])
+def test_metrics_auth_modes(mode: str, access: Access) -> None:
+    assert DoorPolicy(keys_configured=True, metrics_auth=mode).access("/metrics", 8000) is access
+
+
+def test_a_metrics_listener_serves_only_metrics_and_the_api_listener_no_metrics() -> None:
+    policy = DoorPolicy(keys_configured=True, metrics_auth="none", metrics_port=9100)
+    assert policy.access("/metrics", 9100) is Access.OPEN
+    assert policy.access("/metrics", 8000) is Access.ABSENT
+    assert policy.access("/v1/models", 9100) is Access.ABSENT
+    assert policy.access("/health", 9100) is Access.ABSENT
+    assert policy.access("/v1/models", 8000) is Access.KEY
+
+
+def test_default_metrics_auth_and_contradictions() -> None:
+    assert resolve_metrics_auth(None, keys_configured=True, metrics_port=None) == "admin"
+    assert resolve_metrics_auth(None, keys_configured=True, metrics_port=9100) == "none"
+    assert resolve_metrics_auth(None, keys_configured=False, metrics_port=None) == "none"
+    assert resolve_metrics_auth("key", keys_configured=True, metrics_port=9100) == "key"
+    with pytest.raises(ValueError, match="needs --api-key or --keys"):
+        resolve_metrics_auth("admin", keys_configured=False, metrics_port=None)
+
+
+def test_the_connection_cap_spares_the_probes() -> None:
+    policy = DoorPolicy(max_connections=10)
+    assert not policy.over_capacity("/v1/models", 10)
+    assert policy.over_capacity("/v1/models", 11)
+    assert not policy.over_capacity("/health", 500)
+    assert not DoorPolicy().over_capacity("/v1/models", 10_000)
+
+
+def test_traces_are_keyed_by_tenant_and_id() -> None:
+    store = TraceStore(capacity=3)
+    alice, bob = RequestTrace("same", tenant="alice"), RequestTrace("same", tenant="bob")
+    store.add(alice)
+    store.add(bob)
+    assert store.get("alice", "same") is alice and store.get("bob", "same") is bob
+    assert store.get("carol", "same") is None
+    assert store.newest_with_id("same") is bob
+    for i in range(3):
+        store.add(RequestTrace(f"r{i}", tenant="alice"))
+    assert store.get("alice", "same") is None and store.get("alice", "r2") is not None  # oldest evicted
