@@ -11,7 +11,6 @@ the very same items.
 from __future__ import annotations
 
 import copy
-import time
 import uuid
 from typing import Any
 
@@ -131,7 +130,3 @@ def response_usage(input_tokens: int, cached_tokens: int, output_tokens: int, re
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
-
-
-def now() -> int:
-    return int(time.time())

@@ -40,8 +40,15 @@ class _Run:
     gen: _Generation
     conversation: list[dict[str, Any]]  # earlier turns and this request's input, as items
     builder: OutputBuilder = field(default_factory=OutputBuilder)
+    param_names: dict[str, str] = field(default_factory=dict)  # engine-side names -> the request's
     parser_finished: bool = False
     sequence_number: int = 0
+
+    def renamed(self, exc: APIError) -> APIError:
+        """An error from below (the engine names SamplingParams' fields) in the request's terms."""
+        if exc.param is not None:
+            exc.param = self.param_names.get(exc.param, exc.param)
+        return exc
 
     @property
     def seq(self) -> SequenceState:
@@ -73,7 +80,7 @@ class ResponsesServing:
             exc.param = "input" if exc.param == "messages" else exc.param  # the conversation's items
             raise
         gen = await self.chat.start_chat(chat, ctx, response_id=new_id("resp"))
-        run = _Run(request, gen, conversation)
+        run = _Run(request, gen, conversation, param_names=chat.param_names)
         if request.stream:
             return _sse(self._stream(run))
         return await _until_disconnect(self._full(run), raw)
@@ -98,8 +105,11 @@ class ResponsesServing:
     # --- answers -------------------------------------------------------------------------------
 
     async def _full(self, run: _Run) -> Response:
-        async for _ in self.chat._updates(run.gen):
-            pass
+        try:
+            async for _ in self.chat._updates(run.gen):
+                pass
+        except APIError as exc:
+            raise run.renamed(exc) from exc.__cause__
         seq = run.seq
         if seq.chat_output is None:
             piece = ChatPiece(content=seq.stream.text)
@@ -130,6 +140,7 @@ class ResponsesServing:
                 yield self._sse(run, event)
             yield self._sse(run, {"type": f"response.{status}", "response": response})
         except APIError as exc:
+            run.renamed(exc)
             yield self._sse(run, {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param})
             failed = self._response(run, "failed")
             failed["error"] = {"code": exc.code or exc.type, "message": exc.message}
