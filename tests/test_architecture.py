@@ -24,7 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "sampling_params", "__version__"},
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
     "bench": {"engine", "frontend", "llm", "model", "sampling_params"},
-    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "sampling_params", "serve_args"},
+    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "sampling_params", "serve_args",
+            "trace_walk"},
+    "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     "serve_args": {"model.model_store"},  # cli's table of vLLM serve flags
     "__init__": {"llm", "sampling_params"},
 }

@@ -194,6 +194,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from tokenline.frontend.processor import PromptError
+    from tokenline.llm import LLM
+    from tokenline.sampling_params import MAX_LOGPROBS
+    from tokenline.trace_walk import load_prices, render, walk
+
+    try:
+        prices = load_prices(args.prices)
+    except (OSError, ValueError) as exc:
+        print(f"error: --prices: {exc}", file=sys.stderr)
+        return 2
+    if not 0 <= args.top_candidates <= MAX_LOGPROBS or args.repeat < 1 or args.max_tokens < 1:
+        print(f"error: --top-candidates must be in [0, {MAX_LOGPROBS}], --repeat and --max-tokens at least 1",
+              file=sys.stderr)
+        return 2
+    llm = LLM(args.model, **asdict(engine_config_from_args(args)))
+    try:
+        trace = walk(llm, args.question, system=args.system, max_tokens=args.max_tokens,
+                     temperature=args.temperature, top_candidates=args.top_candidates, stop=args.stop or (),
+                     repeat=args.repeat, prices=prices)
+    except (PromptError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(trace.to_dict(), indent=2))
+    else:
+        from rich.console import Console
+
+        render(trace, Console())
+    return 0
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from tokenline.bench.throughput import format_table, repeat_prompts, run_hf, run_tokenline, synthetic_prompts
     from tokenline.frontend.tokenizer import Tokenizer
@@ -291,6 +323,22 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from tokenline.gateway.ledger import usage_command
 
     return usage_command(args.db, args.since, args.until, args.tenant, args.json)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from tokenline.top import top_command
+
+    return top_command(args.url, args.api_key, args.interval, args.once, args.json)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
@@ -403,6 +451,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
+    p = commands.add_parser("trace", help="walk one chat request through the engine and show every stage")
+    p.add_argument("question")
+    p.add_argument("--model", default=None)
+    p.add_argument("--system", default=None, help="a system message before the question")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-candidates", type=int, default=5, help="the sampler's top-K candidates shown per step")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--repeat", type=int, default=1, help="run the request N times (a repeat hits the prefix cache)")
+    p.add_argument("--prices", default=None, help="TOML price table as for serve (default: zero cost)")
+    p.add_argument("--json", action="store_true", help="print the trace as one JSON document")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_trace)
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("throughput", help="offline throughput on synthetic prompts")
     p.add_argument("--model", default=None)
@@ -467,6 +529,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", default=None, help="only this tenant")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_usage)
+
+    p = commands.add_parser("top", help="live view of any server's vLLM metrics (/metrics): load, token rates, latency")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL or its /metrics URL")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="bearer key for /metrics (default: $VLLM_API_KEY)")
+    p.add_argument("--interval", type=_positive_seconds, default=2.0,
+                   help="seconds between scrapes; rates and quantiles cover this window")
+    p.add_argument("--once", action="store_true", help="scrape twice, --interval apart, print one table and exit")
+    p.add_argument("--json", action="store_true", help="print that one snapshot as JSON (implies --once)")
+    p.set_defaults(func=cmd_top)
 
     keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="keys", required=True)
     p = keys.add_parser("add", help="create a key for a new tenant and print it once")

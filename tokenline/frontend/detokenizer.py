@@ -53,6 +53,15 @@ class IncrementalDetokenizer:
         """Every id pushed so far."""
         return self._token_ids
 
+    @property
+    def holds_partial_character(self) -> bool:
+        """Ids pushed whose text is held back: they end in an unfinished character (read-only, for traces)."""
+        if self._finished:
+            return False
+        if self._stream is not None:
+            return self._pending
+        return self._full_text().endswith(_REPLACEMENT)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Add newly generated ids; return the text they complete (may be "")."""
         if self._finished:

@@ -31,6 +31,11 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._stopped
 
+    @property
+    def held(self) -> str:
+        """Text held back because it may be the start of a stop string (read-only, for traces)."""
+        return self._held
+
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add a text delta; return (text safe to emit now, whether a stop string was hit)."""
         if self._stopped or self._closed:

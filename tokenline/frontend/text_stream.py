@@ -30,6 +30,16 @@ class TextStream:
     def stop_string(self) -> str | None:
         return self._matcher.matched if self._matcher is not None else None
 
+    @property
+    def holds_partial_character(self) -> bool:
+        """The detokenizer holds ids back: they end in an unfinished UTF-8 character."""
+        return self._detokenizer.holds_partial_character
+
+    @property
+    def held_stop_prefix(self) -> str:
+        """Text held back because it may begin a stop string."""
+        return self._matcher.held if self._matcher is not None else ""
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new ids; return the text that may be shown now."""
         if self.stopped:
