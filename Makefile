@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test reliability bench bench-peers clean redis-server prometheus
+.PHONY: install model serve test reliability bench bench-peers clean redis-server prometheus chromium
 
 install: $(STAMP) model
 
@@ -25,7 +25,7 @@ model: $(STAMP)
 serve: install
 	$(VENV)/bin/tokenline serve $(ARGS)
 
-test: install redis-server prometheus
+test: install redis-server prometheus chromium
 	$(PY) -m pytest -q $(ARGS)
 
 # Load, fault and attack tests against real servers (tests/reliability; `make test` deselects them
@@ -40,6 +40,10 @@ redis-server:
 # tests/deploy runs the Grafana dashboard's queries on a real Prometheus (Debian's 2.42, with promtool).
 prometheus:
 	@command -v prometheus >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)
+
+# tests/e2e/test_dashboard.py drives the live page in Debian's headless Chromium (never a downloaded browser).
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
 bench: install
 	$(VENV)/bin/tokenline bench throughput $(ARGS)

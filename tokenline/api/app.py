@@ -41,6 +41,7 @@ from tokenline.api.http_protocol import guarded_protocol
 from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_protocol import ResponsesRequest
 from tokenline.api.body_check import reject_invalid_unicode
+from tokenline.api.dashboard import install_dashboard
 from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
 from tokenline.api.serving import OpenAIServing
 from tokenline.engine.client import EngineClient, RestartPolicy
@@ -55,6 +56,7 @@ from tokenline.gateway.filters import load_filter_file
 from tokenline.gateway.gateway import Gateway, GatewayLimits, RequestContext
 from tokenline.gateway.keys import KeyStore
 from tokenline.gateway.ledger import PriceTable, UsageLedger, default_ledger_path, parse_time
+from tokenline.gateway.live_events import LiveEvents
 from tokenline.gateway.metrics import ServerMetrics, StatsSource
 from tokenline.gateway.rate_limit import make_rate_limiter
 from tokenline.gateway.response_store import ResponseStore
@@ -230,6 +232,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     app.state.gateway = gateway
     app.state.exit_code = 0
     install_error_handlers(app, invalid_request_errors=(PromptError,))
+    # The live page's stream: engine step records, load and request lifecycles (api/dashboard.py).
+    gateway.events = LiveEvents(lambda: client.stats, lambda: client.info.num_kv_blocks if client.info else 0)
+    client.add_step_listener(gateway.events.on_step)
+    install_dashboard(app, gateway.events, keys is not None, served_model_name)
 
     # The only middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
     app.add_middleware(

@@ -203,7 +203,7 @@ class OpenAIServing:
             self._check_engine()
             raise APIError.unavailable(f"the engine is not available: {exc}") from exc
         self.gateway.journal(ctx, self.served_model_name, sum(len(p) for p in prompts))
-        ctx.trace.mark("queued")
+        self.gateway.queued(ctx)
         return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx))
 
     async def _updates(self, gen: _Generation) -> AsyncIterator[list[SequenceUpdate]]:

@@ -13,6 +13,10 @@ import enum
 from dataclasses import dataclass
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/live"})
+# The live page and its static files hold no data (a browser cannot send a key with a page load);
+# the page asks for a key and sends it on its data stream, GET /v1/events, which needs one.
+PAGE_PATH = "/dashboard"
+PAGE_FILES_PREFIX = "/dashboard/static/"
 METRICS_PATH = "/metrics"
 METRICS_AUTH_MODES = ("admin", "key", "none")
 
@@ -43,7 +47,7 @@ class DoorPolicy:
                 return Access.ABSENT
         if path == METRICS_PATH:
             return {"none": Access.OPEN, "key": Access.KEY, "admin": Access.ADMIN}[self.metrics_auth]
-        if not self.keys_configured or path in OPEN_PATHS:
+        if not self.keys_configured or path in OPEN_PATHS or path == PAGE_PATH or path.startswith(PAGE_FILES_PREFIX):
             return Access.OPEN
         return Access.KEY
 

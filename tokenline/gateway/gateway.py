@@ -20,6 +20,7 @@ from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.filters import VERDICTS, ContentFilter, Decision, OutputGuard
 from tokenline.gateway.keys import KeyStore, Tenant
 from tokenline.gateway.ledger import UsageLedger, UsageRecord
+from tokenline.gateway.live_events import LiveEvents
 from tokenline.gateway.metrics import ServerMetrics
 from tokenline.gateway.rate_limit import RateLimiter, Reservation
 from tokenline.gateway.trace import RequestTrace, TraceStore
@@ -117,6 +118,7 @@ class Gateway:
         # crash loses at most this much of what a request produced.
         self.progress_interval_s = progress_interval_s
         self.content_filters = content_filters  # the default of tenants without their own
+        self.events: LiveEvents | None = None  # the live stream (GET /v1/events), when the app has one
         for f in (*content_filters, *(f for t in (keys.tenants if keys else ()) for f in t.content_filters or ())):
             metrics.declare_filter(f.name, sorted(f.stages), VERDICTS)
 
@@ -150,7 +152,17 @@ class Gateway:
         # The door runs these when the response is over (streamed or not, error or not).
         state.setdefault("on_finish", []).append(lambda: self._in_flight.discard(key))
         self.traces.add(trace)
+        self._announce(trace, "arrived", trace.stamps["arrived"])
         return RequestContext(state["request_id"], trace, tenant, state["extra_headers"], scope_state=state)
+
+    def queued(self, ctx: RequestContext) -> None:
+        """The engine has the request's sequences."""
+        ctx.trace.mark("queued")
+        self._announce(ctx.trace, "queued", ctx.trace.stamps["queued"])
+
+    def _announce(self, trace: RequestTrace, stage: str, at: float, **extra: Any) -> None:
+        if self.events is not None:
+            self.events.request(trace, stage, at, **extra)
 
     def allows_model(self, tenant: Tenant | None, model: str) -> bool:
         return tenant is None or self.keys is None or self.keys.allows_model(tenant, model)
@@ -240,6 +252,8 @@ class Gateway:
                 status="refused", finish_reason="content_filter", created_at=ctx.trace.wall_arrival,
                 e2e_s=now - ctx.arrival, content_filter=decision.filter,
             ))
+        self._announce(ctx.trace, "finished", now, status="refused", finish_reason="content_filter",
+                       stages_s=ctx.trace.to_dict()["stages_s"])
 
     # --- the journal -------------------------------------------------------------------------
 
@@ -281,6 +295,8 @@ class Gateway:
     def first_token(self, ctx: RequestContext, at: float) -> None:
         """One sequence's first token: TTFT is observed per engine request (each of ``n``), the
         trace keeps the request's earliest."""
+        if "first_token" not in ctx.trace.stamps:
+            self._announce(ctx.trace, "first_token", at)
         ctx.trace.mark("first_token", at)
         self.metrics.first_token(at - ctx.arrival)
 
@@ -309,6 +325,7 @@ class Gateway:
         if ctx.reservation is not None and self.limiter is not None:
             await self.limiter.settle(ctx.reservation, receipt.completion_tokens)
             ctx.reservation = None
+        cost_usd: float | None = None
         if self.ledger is not None:
             record = UsageRecord(
                 request_id=ctx.request_id,
@@ -328,6 +345,12 @@ class Gateway:
             )
             await self.ledger.record(record)
             self.metrics.add_spend(ctx.tenant_name, receipt.model, record.cost_usd or 0.0)
+            cost_usd = record.cost_usd
+        self._announce(
+            trace, "finished", now, status=receipt.status, finish_reason=receipt.finish_reason,
+            prompt_tokens=receipt.prompt_tokens, cached_tokens=receipt.cached_tokens,
+            completion_tokens=receipt.completion_tokens, cost_usd=cost_usd, stages_s=trace.to_dict()["stages_s"],
+        )
         line: dict[str, Any] = {"event": "request_finished", **trace.to_dict()}
         if self.log_prompts and receipt.prompts is not None:
             line["prompts"] = receipt.prompts
