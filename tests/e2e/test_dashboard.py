@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import struct
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from tests.e2e.conftest import Server, start_server
+from tests.e2e.event_stream import EventReader
 from tests.e2e.headless_chromium import CHROMIUM, Chromium
 from tokenline.engine.messages import StepRecord
 from tokenline.gateway.keys import add_key
@@ -48,36 +49,6 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> 
     keys = {name: add_key(keys_file, name, admin=name == "admin") for name in TENANTS}
     with start_server(tmp, "--keys", str(keys_file), "--max-num-seqs", "8") as server:
         yield Keyed(server, keys)
-
-
-@dataclass
-class EventReader:
-    """Reads /v1/events in a thread until ``stop`` (or its deadline), keeping every event."""
-
-    url: str
-    key: str
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    connected: threading.Event = field(default_factory=threading.Event)
-
-    def run(self, deadline_s: float = 90.0) -> None:
-        deadline = time.monotonic() + deadline_s
-        headers = {"Authorization": f"Bearer {self.key}"}
-        with httpx.stream("GET", f"{self.url}/v1/events", headers=headers, timeout=30) as response:
-            assert response.status_code == 200, response.read()
-            assert response.headers["content-type"].startswith("text/event-stream")
-            kind = None
-            for line in response.iter_lines():  # a stats event at least every second: never stuck
-                if line.startswith("event: "):
-                    kind = line[len("event: "):]
-                elif line.startswith("data: "):
-                    self.events.append((kind, json.loads(line[len("data: "):])))
-                    self.connected.set()
-                if self.stop.is_set() or time.monotonic() > deadline:
-                    return
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [data for k, data in self.events if k == kind]
 
 
 def stream_chat(client: openai.OpenAI, request_id: str, max_tokens: int, cancel_after: int | None = None) -> int:
@@ -120,7 +91,7 @@ def test_events_parse_are_documented_and_scoped_to_the_tenant(keyed: Keyed) -> N
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda args: stream_chat(keyed.client(args[0]), args[1], 12),
                       [("alice", "sse-alice-1"), ("bob", "sse-bob-1")]))
-    finished = lambda r: {d["request_id"] for d in r.of("request") if d["stage"] == "finished"}  # noqa: E731
+    finished = lambda r: {d["request_id"] for d in r.of("request") if d["stage"] == "finished"}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not {"sse-alice-1", "sse-bob-1"} <= finished(admin):
         time.sleep(0.1)
@@ -222,3 +193,19 @@ def test_dashboard_in_headless_chromium_during_a_load(keyed: Keyed, tmp_path: Pa
         assert re.fullmatch(r"\d+ / [1-9]\d*", dom["kv"]), dom["kv"]
     finally:
         browser.close()
+
+
+def test_an_open_stream_does_not_hold_up_shutdown(keyed: Keyed) -> None:
+    """Last in this module: it stops the module's server (SIGTERM) while a stream is open."""
+    reader = EventReader(keyed.server.base_url, keyed.keys["alice"])
+    thread = threading.Thread(target=reader.run, daemon=True)
+    thread.start()
+    assert reader.connected.wait(30)
+    started = time.monotonic()
+    keyed.server.process.send_signal(signal.SIGTERM)
+    keyed.server.process.wait(timeout=60)
+    # The graceful shutdown waits up to 30 s for responses in flight; the stream ends at once.
+    assert time.monotonic() - started < 15, keyed.server.log()[-2000:]
+    assert keyed.server.process.returncode == 0
+    thread.join(timeout=10)
+    assert not thread.is_alive()

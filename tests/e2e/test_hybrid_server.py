@@ -6,12 +6,14 @@ does with it (the parsers themselves are driven with scripted text in tests/fron
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, start_server
+from tests.e2e.conftest import Server, start_server, wait_until
+from tests.e2e.event_stream import EventReader
 from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.model.random_models import make_qwen3_5_tiny
 
@@ -169,3 +171,18 @@ def test_a_tool_call_cut_off_by_max_tokens_is_content_with_finish_reason_length(
     chunks = [c for c in stream_chunks(hybrid, **{**body, "max_tokens": 120}) if c["choices"]]
     assert any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_the_live_stream_shows_the_hybrids_state_slots_filling_and_freeing(hybrid: Server) -> None:
+    reader = EventReader(hybrid.base_url, "no-keys-on-this-server")
+    thread = threading.Thread(target=reader.run, kwargs={"deadline_s": 60}, daemon=True)
+    thread.start()
+    assert reader.connected.wait(30)
+    assert chat(hybrid, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0).status_code == 200
+    wait_until(lambda: any(s["num_state_slots_used"] == 0 and s["num_state_slots"] > 0 for s in reader.of("stats")), 10)
+    reader.stop.set()
+    thread.join(timeout=10)
+    steps = reader.of("step")
+    assert steps and all(s["num_state_slots"] > 0 for s in steps)
+    assert max(s["num_state_slots_used"] for s in steps) >= 1  # the request held a recurrent-state slot
+    assert any(s["num_state_slots_used"] == 0 and s["num_state_slots"] > 0 for s in reader.of("stats"))  # and freed it

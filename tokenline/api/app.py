@@ -428,6 +428,12 @@ def serve(settings: ServerSettings) -> int:
                     # process would die "by SIGTERM"; a drained shutdown is a clean exit (code 0).
                     self._captured_signals.clear()
 
+        async def shutdown(self, sockets: list[Any] | None = None) -> None:
+            # Live-page streams never end on their own: end them first, or each open page would
+            # hold the graceful shutdown for its whole timeout.
+            app.state.gateway.events.close()
+            await super().shutdown(sockets)
+
     app = build_app(settings)
     logger.info("serving %s on http://%s:%d", settings.model or DEFAULT_MODEL_NAME, settings.host, settings.port)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol

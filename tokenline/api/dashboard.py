@@ -55,7 +55,7 @@ def install_dashboard(app: FastAPI, events: LiveEvents, keys_configured: bool, m
                 yield hello_event(name, see_all, events.capacity, model).encode()
                 yield events.stats_event().encode()
                 last_stats = time.monotonic()
-                while True:
+                while not events.closed:  # closed: the server is shutting down
                     batch = await subscriber.take(STATS_INTERVAL_S)
                     if time.monotonic() - last_stats >= STATS_INTERVAL_S:
                         batch.append(events.stats_event())

@@ -252,8 +252,7 @@ class Gateway:
                 status="refused", finish_reason="content_filter", created_at=ctx.trace.wall_arrival,
                 e2e_s=now - ctx.arrival, content_filter=decision.filter,
             ))
-        self._announce(ctx.trace, "finished", now, status="refused", finish_reason="content_filter",
-                       stages_s=ctx.trace.to_dict()["stages_s"])
+        self._announce(ctx.trace, "finished", now, status="refused", finish_reason="content_filter")
 
     # --- the journal -------------------------------------------------------------------------
 
@@ -349,7 +348,7 @@ class Gateway:
         self._announce(
             trace, "finished", now, status=receipt.status, finish_reason=receipt.finish_reason,
             prompt_tokens=receipt.prompt_tokens, cached_tokens=receipt.cached_tokens,
-            completion_tokens=receipt.completion_tokens, cost_usd=cost_usd, stages_s=trace.to_dict()["stages_s"],
+            completion_tokens=receipt.completion_tokens, cost_usd=cost_usd,
         )
         line: dict[str, Any] = {"event": "request_finished", **trace.to_dict()}
         if self.log_prompts and receipt.prompts is not None:

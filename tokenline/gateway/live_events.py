@@ -55,6 +55,9 @@ class Subscriber:
         self._queue: deque[LiveEvent] = deque()
         self._wake = asyncio.Event()
 
+    def wake(self) -> None:
+        self._wake.set()
+
     def offer(self, event: LiveEvent) -> None:
         if event.private and not self.see_all and event.tenant != self.tenant:
             return
@@ -96,6 +99,7 @@ class LiveEvents:
         self.capacity = capacity
         self._subscribers: set[Subscriber] = set()
         self._last_record: StepRecord | None = None
+        self.closed = False  # the server is shutting down: streams end so they do not hold it up
 
     @property
     def active(self) -> bool:
@@ -108,6 +112,12 @@ class LiveEvents:
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.discard(subscriber)
+
+    def close(self) -> None:
+        """End every stream (each returns from its wait at once) and accept no more events."""
+        self.closed = True
+        for subscriber in self._subscribers:
+            subscriber.wake()
 
     def publish(self, event: LiveEvent) -> None:
         for subscriber in self._subscribers:
@@ -133,6 +143,8 @@ class LiveEvents:
             "model": trace.model, "arrived": trace.stamps.get("arrived"),
         }
         data.update(extra)
+        if stage == "finished":  # the whole waterfall, as the trace has it (built only when watched)
+            data["stages_s"] = trace.to_dict()["stages_s"]
         self.publish(LiveEvent("request", data, tenant=trace.tenant, private=True))
 
     def stats_event(self) -> LiveEvent:
