@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
     "bench": {"engine", "frontend", "llm", "model", "sampling_params"},
     "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "sampling_params", "serve_args",
-            "trace_walk"},
+            "top", "trace_walk"},
+    "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     "serve_args": {"model.model_store"},  # cli's table of vLLM serve flags
     "__init__": {"llm", "sampling_params"},
@@ -94,4 +95,10 @@ def test_the_api_process_and_a_router_never_load_torch() -> None:
         "tokenline.engine.client, tokenline.engine.block_pool; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]"
     )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_top_never_loads_torch() -> None:
+    # `tokenline top` watches remote servers from any laptop: the command path stays light.
+    code = "import sys, tokenline.cli, tokenline.top; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
