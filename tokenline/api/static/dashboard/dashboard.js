@@ -12,7 +12,7 @@
   const state = {
     hello: null, steps: 0, requests: 0, finished: 0, cancelled: 0, dropped: 0, dirty: false,
     load: [[], [], []], // wall time, waiting, running
-    comp: [[], [], [], []], // wall time, prefill tokens, decode tokens, sequences
+    comp: [[], [], [], [], []], // wall time, prefill tokens, decode tokens, sequences, preemptions
     kv: [[], [], [], [], []], // wall time, blocks used, blocks total, state slots used, slots total
     tput: new Map(), // wall second -> [prefill tokens, decode tokens]
     lat: [[], [], []], // finish wall time, TTFT ms, TPOT ms
@@ -36,7 +36,7 @@
       const x = wall(d.t);
       state.steps += 1;
       push(state.load, [x, d.num_waiting, d.num_running]);
-      push(state.comp, [x, d.num_prefill_tokens, d.num_decode_tokens, d.num_seqs]);
+      push(state.comp, [x, d.num_prefill_tokens, d.num_decode_tokens, d.num_seqs, d.num_preemptions]);
       push(state.kv, [x, d.num_kv_blocks_used, d.num_kv_blocks, d.num_state_slots_used, d.num_state_slots]);
       const sec = Math.floor(x);
       const b = state.tput.get(sec) || [0, 0];
@@ -214,7 +214,7 @@
     count("count-cancelled", state.cancelled);
     count("count-dropped", state.dropped);
     chart("chart-load", [["waiting", "#f0b429"], ["running", "#2680c2"]], state.load);
-    chart("chart-steps", [["prefill tokens", "#e12d39", dot], ["decode tokens", "#2680c2", dot], ["sequences", "#3ebd93"]], state.comp);
+    chart("chart-steps", [["prefill tokens", "#e12d39", dot], ["decode tokens", "#2680c2", dot], ["sequences", "#3ebd93"], ["preemptions", "#000", scatter]], state.comp);
     chart("chart-kv", [["KV blocks used", "#8719e0"], ["KV blocks", "#bbb"], ["state slots used", "#3ebd93"], ["state slots", "#ddd"]], state.kv);
     chart("chart-throughput", [["prefill tok/s", "#e12d39"], ["decode tok/s", "#2680c2"]], throughputData());
     chart("chart-latency", [["TTFT ms", "#f0b429", scatter], ["TPOT ms", "#2680c2", scatter]], state.lat);
