@@ -68,9 +68,9 @@ def stream_chat(client: openai.OpenAI, request_id: str, max_tokens: int, cancel_
 
 def test_event_stream_needs_a_key_and_the_page_does_not(keyed: Keyed) -> None:
     base = keyed.server.base_url
-    refused = httpx.get(f"{base}/v1/events", timeout=10)
-    assert refused.status_code == 401
-    assert refused.json()["error"]["type"] == "invalid_request_error" or refused.json()["error"]["code"]
+    for headers in ({}, {"Authorization": "Bearer tl-wrong"}):
+        refused = httpx.get(f"{base}/v1/events", headers=headers, timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     page = httpx.get(f"{base}/dashboard", timeout=10)  # the page holds no data; it asks for a key
     assert page.status_code == 200 and 'id="waterfall"' in page.text
     library = httpx.get(f"{base}/dashboard/static/uPlot.iife.min.js", timeout=10)
