@@ -79,6 +79,20 @@ def test_request_maps_onto_a_chat_request() -> None:
     assert chat.param_names["max_tokens"] == "max_output_tokens" and chat.param_names["prompt"] == "input"
 
 
+def test_vllm_sampling_extensions_reach_the_chat_request() -> None:
+    # What `vllm bench serve --backend openai-responses` sends (ignore_eos), and vLLM's other extras.
+    request = ResponsesRequest(model="m", input="hi", ignore_eos=True, top_k=5, min_p=0.1, stop=["x"],
+                               repetition_penalty=1.1, min_tokens=2)
+    chat = request.to_chat(request.input_items())
+    assert chat.ignore_eos is True and chat.top_k == 5 and chat.min_p == 0.1 and chat.stop == ["x"]
+    assert chat.repetition_penalty == 1.1 and chat.min_tokens == 2
+    unset = ResponsesRequest(model="m", input="hi").to_chat([{"role": "user", "content": "hi"}])
+    assert unset.ignore_eos is False and unset.top_k is None and unset.frequency_penalty == 0.0
+    with pytest.raises(APIError) as refused:
+        ResponsesRequest(model="m", input="hi", top_k=-7).to_chat([{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 400
+
+
 def test_tools_and_formats_are_checked() -> None:
     with pytest.raises(APIError) as exc:
         chat_tools([{"type": "web_search"}])

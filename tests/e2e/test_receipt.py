@@ -323,7 +323,7 @@ def test_ledger_records_requests_the_server_timed_out(timeout_server: ReceiptSer
         assert row.cost_usd == pytest.approx(cost(row.prompt_tokens, row.completion_tokens), rel=1e-12)
         # It ran for about a second: tokens were produced, and all are billed; far from 200.
         assert max(1, seen) <= row.completion_tokens < 200, row
-        assert 0.9 <= row.e2e_s < 5, row
+        assert 0.9 <= row.e2e_s < 8, row  # the 1 s timeout, not a 10 s wait for a receipt
     # The admin view of this server's ledger counts them too.
     usage = httpx.get(receipt.url("/admin/usage"), headers=auth(receipt.keys["admin"]), timeout=10).json()["data"]
     rows = receipt.records()

@@ -49,6 +49,13 @@ UNSUPPORTED_RESPONSES_FIELDS: tuple[_Unsupported, ...] = (
 )
 
 
+VLLM_SAMPLING_EXTENSIONS = (
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop",
+    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "priority",
+    "chat_template_kwargs",
+)
+
+
 class ResponsesRequest(_Request):
     """POST /v1/responses."""
 
@@ -67,6 +74,22 @@ class ResponsesRequest(_Request):
     store: bool = True
     previous_response_id: str | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's extension, as on chat completions
+    # vLLM's sampling extensions on its Responses API (`vllm bench serve --backend openai-responses`
+    # sends ignore_eos): passed to the chat request as given, which validates them.
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Informational: accepted, echoed where OpenAI echoes them.
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -130,6 +153,7 @@ class ResponsesRequest(_Request):
             "reasoning_effort": self.effort,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
+        body |= {name: value for name in VLLM_SAMPLING_EXTENSIONS if (value := getattr(self, name)) is not None}
         if self.tools:
             body["tools"] = chat_tools(self.tools)
         if self.tool_choice is not None:
