@@ -29,10 +29,14 @@ class Server:
     def api_url(self) -> str:
         return f"{self.base_url}/v1"
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, api_key: str | None = None) -> dict[str, float]:
         """The samples of /metrics by name; a sample labelled only with the model name is keyed by
-        its bare name too (``vllm:num_requests_running``), others by ``name{labels}``."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        its bare name too (``vllm:num_requests_running``), others by ``name{labels}``. ``api_key``:
+        with keys configured, /metrics wants an admin key."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        response = httpx.get(f"{self.base_url}/metrics", headers=headers, timeout=10)
+        assert response.status_code == 200, response.text
+        text = response.text
         values = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

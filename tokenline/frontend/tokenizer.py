@@ -295,15 +295,7 @@ class Tokenizer:
         template = self._pick_template(tools)
 
         def render(messages: Any, tools: Any, kwargs: Any) -> str:
-            return render_chat_template(
-                template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                special_tokens=self._special_tokens,
-                chat_template_kwargs=kwargs,
-            )
+            return self._render(template, messages, add_generation_prompt, continue_final_message, tools, kwargs)
 
         if parse_special_tokens:
             return RenderedChat(render(messages, tools, chat_template_kwargs))  # all of it template text
@@ -337,6 +329,17 @@ class Tokenizer:
             template = self._pick_template(tools)
         else:
             template = self._chat_templates.get(chat_template, chat_template)
+        return self._render(template, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
+
+    def _render(
+        self,
+        template: str,
+        messages: Any,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        tools: Any,
+        chat_template_kwargs: Any,
+    ) -> str:
         return render_chat_template(
             template,
             messages,
