@@ -25,7 +25,10 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
     "bench": {"engine", "frontend", "llm", "model", "sampling_params"},
     "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "sampling_params", "serve_args",
-            "top", "trace_walk"},
+            "sim", "top", "trace_walk"},
+    # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
+    # reported in bench serve's shape
+    "sim": {"bench.serve", "engine", "model", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     "serve_args": {"model.model_store"},  # cli's table of vLLM serve flags

@@ -299,6 +299,47 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if report.failed == 0 else 1
 
 
+def cmd_bench_calibrate(args: argparse.Namespace) -> int:
+    from tokenline.model.model_store import resolve_model
+    from tokenline.sim.calibrate import calibrate
+
+    if args.request_overhead_ms < 0:
+        print("tokenline bench calibrate: --request-overhead-ms must be >= 0", file=sys.stderr)
+        return 2
+    profile = calibrate(resolve_model(args.model), args.dtype, request_overhead_s=args.request_overhead_ms / 1000)
+    m = profile.step_model
+    print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token + {m.c * 1e3:.3f} ms/decode seq "
+          f"+ {m.d * 1e6:.4f} us/attended context token  (fit rms {m.residual_rms_s * 1e3:.2f} ms over "
+          f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
+    profile.write(args.output)
+    print(f"profile written to {args.output}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tokenline.engine.engine_core import RequestRejected
+    from tokenline.sim.profile import Profile, ProfileError
+    from tokenline.sim.simulate import SimConfig, simulate
+
+    try:
+        profile = Profile.read(args.profile)
+        overhead = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
+        config = SimConfig(
+            concurrency=args.concurrency, num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
+            seed=args.seed, request_overhead_s=overhead,
+        )
+        report = simulate(profile, config)
+    except (ProfileError, ValueError, RequestRejected) as e:  # RequestRejected: a workload that never fits
+        print(f"tokenline simulate: {e}", file=sys.stderr)
+        return 2
+    print(report.format_table())
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
 def cmd_bench_roofline(args: argparse.Namespace) -> int:
     from tokenline.bench.roofline import RooflineConfig, parse_size, run_roofline, write_json
 
@@ -521,6 +562,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_roofline)
+
+    p = bench.add_parser("calibrate", help="fit a step-time profile of the real engine on this machine (for simulate)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--output", default="profile.json", metavar="PROFILE.json")
+    p.add_argument("--request-overhead-ms", type=float, default=0.0,
+                   help="per-request time outside the engine (HTTP, tokenize, detokenize) to store in the profile")
+    p.set_defaults(func=cmd_bench_calibrate)
+
+    p = commands.add_parser("simulate", help="the real scheduler and KV cache on a simulated clock, from a "
+                                             "calibrated profile; reports like bench serve")
+    p.add_argument("--profile", required=True, metavar="PROFILE.json", help="written by tokenline bench calibrate")
+    p.add_argument("--concurrency", type=int, default=1, help="most requests in flight")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB", help="KV cache size in GiB")
+    p.add_argument("--request-overhead-ms", type=float, default=None, help="override the profile's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_simulate)
 
     p = commands.add_parser("usage", help="usage and cost per tenant and model, from the usage ledger")
     p.add_argument("--db", default=None, help="ledger database (default: $TOKENLINE_HOME/usage.sqlite3)")

@@ -1,0 +1,55 @@
+"""Calibrate on a short real run of the default model, then hold a simulation against a real run
+of the same closed-loop workload on the wall clock (one process, one torch thread for both, so a
+busy CI machine disturbs them alike)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.model.model_store import resolve_model
+from tokenline.sim.calibrate import CalibrationDesign, calibrate
+from tokenline.sim.profile import Profile
+from tokenline.sim.simulate import SimConfig, report, run_closed_loop, simulate, workload_prompts
+
+TINY = CalibrationDesign(prefill_lens=(16, 64, 160), context_lens=(16, 96), decode_batches=(1, 4),
+                         decode_steps=4, repeats=1, max_seconds=20.0)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_calibrated_simulation_tracks_a_real_run(tmp_path: Path, one_thread: None) -> None:
+    model_dir = resolve_model(None)
+    profile = calibrate(model_dir, "float32", design=TINY, threads=1)
+    m = profile.step_model
+    assert profile.num_steps >= 10 and profile.dtype == "float32" and profile.kv_bytes_per_token > 0
+    assert m.b > 0  # prefill tokens cost time on any machine
+
+    path = tmp_path / "profile.json"
+    profile.write(path)
+    assert Profile.read(path) == profile
+    assert json.loads(path.read_text())["machine"]["torch_threads"] == 1
+
+    config = SimConfig(concurrency=2, num_prompts=6, input_len=32, output_len=8, kv_cache_memory_gib=0.25)
+    core = build_engine_core(EngineConfig(dtype="float32", kv_cache_memory_gib=0.25, max_model_len=2048), model_dir)
+    prompts = workload_prompts(config, profile.vocab_size)
+    run_closed_loop(core, prompts[:1], 2, 1)  # warm-up: first-call costs stay out of the real figures
+    core.reset_prefix_cache()
+    real = report(run_closed_loop(core, prompts, config.output_len, config.concurrency), config, "m", "real")
+    sim = simulate(profile, config)
+
+    assert real.total_output_tokens == sim.total_output_tokens == 6 * 8
+    real_e2e, sim_e2e = real.e2e_ms["p50"], sim.e2e_ms["p50"]
+    assert real_e2e is not None and sim_e2e is not None
+    print(f"E2E p50 real {real_e2e:.0f} ms, simulated {sim_e2e:.0f} ms; {m}")
+    assert abs(sim_e2e - real_e2e) <= 0.5 * real_e2e, (sim_e2e, real_e2e, m)

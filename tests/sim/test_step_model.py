@@ -1,0 +1,54 @@
+"""The step-time fit and the features it is fitted on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenline.model.batch import ScheduledBatch, ScheduledSeq
+from tokenline.sampling_params import SamplingParams
+from tokenline.sim.step_model import StepFeatures, StepModel, batch_features, fit_step_model
+
+
+def test_fit_recovers_known_coefficients_from_noisy_synthetic_steps() -> None:
+    truth = StepModel(a=0.004, b=0.0012, c=0.0007, d=2.5e-6)
+    rng = random.Random(7)
+    features = [
+        StepFeatures(rng.choice([0, 0, 16, 128, 512]), rng.randint(0, 32), rng.randint(0, 20_000)) for _ in range(200)
+    ]
+    durations = [truth.predict(f) + rng.gauss(0, 1e-4) for f in features]  # timer noise: 0.1 ms
+    fit = fit_step_model(features, durations)
+    for name in ("a", "b", "c", "d"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    assert 0.5e-4 < fit.residual_rms_s < 2e-4
+
+
+def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
+    truth = StepModel(a=0.01, b=0.002, c=0.003, d=1e-5)
+    features = [StepFeatures(p, s, c) for p, s, c in [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50)]]
+    fit = fit_step_model(features, [truth.predict(f) for f in features])
+    assert fit.residual_rms_s == pytest.approx(0.0, abs=1e-12)
+    assert fit.c == pytest.approx(0.003, rel=1e-6)
+    assert StepModel(a=-1.0, b=0, c=0, d=0).predict(StepFeatures(0, 1, 1)) == 0.0
+
+
+def test_fit_needs_as_many_steps_as_coefficients() -> None:
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_step_model([StepFeatures(1, 0, 1)] * 3, [0.1] * 3)
+    with pytest.raises(ValueError, match="durations"):
+        fit_step_model([StepFeatures(1, 0, 1)] * 5, [0.1] * 4)
+
+
+def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() -> None:
+    params = SamplingParams()
+    prompt = list(range(100))
+    batch = ScheduledBatch([
+        # a prompt chunk: positions 32..95 attend to 96 positions
+        ScheduledSeq("p", prompt[32:96], 32, [], False, params, prompt_token_ids=prompt),
+        # the prompt's last token alone is still prefill
+        ScheduledSeq("q", prompt[99:], 99, [], True, params, prompt_token_ids=prompt),
+        # decoding: one token past a 100-token prompt with 5 outputs
+        ScheduledSeq("d", [7], 104, [], True, params, prompt_token_ids=prompt, output_token_ids=[1, 2, 3, 4, 5]),
+    ])
+    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105)

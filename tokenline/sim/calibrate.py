@@ -1,0 +1,127 @@
+"""``tokenline bench calibrate``: run the real engine offline over a small designed set of batches
+and fit the step-time model to its own step records.
+
+The design: single prompts of a few sizes (pure prefill steps), then a few decode batch sizes at a
+few context lengths (a prefill step or two, then pure decode steps). Prefix caching is off so that
+every prompt is computed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.engine_core import EngineCore
+from tokenline.engine.messages import EngineRequest
+from tokenline.model.batch import SampledToken, ScheduledBatch
+from tokenline.model.config import ModelConfig
+from tokenline.sampling_params import SamplingParams
+from tokenline.sim.profile import Profile
+from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_model
+
+
+@dataclass
+class CalibrationDesign:
+    prefill_lens: tuple[int, ...] = (32, 128, 384)
+    context_lens: tuple[int, ...] = (32, 256)
+    decode_batches: tuple[int, ...] = (1, 4, 8)
+    decode_steps: int = 5  # output tokens per decode-batch request: its prefill step, then decode steps
+    repeats: int = 2
+    max_seconds: float = 45.0  # the design stops early (keeping what it has) past this
+
+
+@dataclass
+class _FeatureRecorder:
+    """Wraps the real runner and notes the features of every batch it runs, in step order."""
+
+    runner: object
+    features: list[StepFeatures] = field(default_factory=list)
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
+        self.features.append(batch_features(batch))
+        return self.runner.execute(batch)  # type: ignore[attr-defined]
+
+
+def _run(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True).with_defaults()
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineRequest(f"cal-{time.monotonic_ns()}-{i}", prompt, params))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def machine_info(device: str) -> dict[str, object]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+
+
+def calibrate(
+    model_dir: Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    design: CalibrationDesign | None = None,
+    request_overhead_s: float = 0.0,
+    threads: int | None = None,
+) -> Profile:
+    """Fit a step-time profile of ``model_dir`` on this machine (with ``threads`` torch threads,
+    as the server would be started with; None: torch's default)."""
+    import torch
+
+    design = design or CalibrationDesign()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model_config = ModelConfig.from_dir(model_dir)
+    longest = max(max(design.prefill_lens), max(design.context_lens) + design.decode_steps)
+    config = EngineConfig(
+        dtype=dtype, device=device, enable_prefix_caching=False, kv_cache_memory_gib=0.25,
+        max_model_len=min(model_config.max_position_embeddings, max(longest, 1024)),
+    )
+    core = build_engine_core(config, model_dir)
+    runner = core.runner
+    recorder = _FeatureRecorder(runner)
+    core.runner = recorder  # type: ignore[assignment]
+    vocab = runner.sampler.vocab_size
+    rng = random.Random(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+    _run(core, prompts(1, 16), 4)  # warm-up: first-call costs are not step time
+    core.take_step_records()
+    recorder.features.clear()
+    deadline = time.monotonic() + design.max_seconds
+    for _ in range(design.repeats):
+        for length in design.prefill_lens:
+            _run(core, prompts(1, length), 1)
+        for context in design.context_lens:
+            for batch in design.decode_batches:
+                if time.monotonic() < deadline:
+                    _run(core, prompts(batch, context), design.decode_steps)
+    records = core.take_step_records()
+    if len(records) != len(recorder.features):
+        raise RuntimeError(f"{len(records)} step records for {len(recorder.features)} batches")
+    step_model = fit_step_model(recorder.features, [r.duration for r in records])
+    kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
+    return Profile(
+        step_model=step_model,
+        model=model_dir.name,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        machine=machine_info(device),
+        vocab_size=vocab,
+        max_model_len=model_config.max_position_embeddings,
+        kv_bytes_per_token=kv_bytes_per_token,
+        request_overhead_s=request_overhead_s,
+        num_steps=len(records),
+    )

@@ -1,0 +1,50 @@
+"""A runner without a model: placeholder tokens, and a clock advanced by the predicted step time."""
+
+from __future__ import annotations
+
+from tokenline.model.batch import SampledToken, ScheduledBatch
+from tokenline.sim.step_model import StepModel, batch_features
+
+
+class SimClock:
+    """Simulated seconds; the engine reads it through ``__call__`` like ``time.monotonic``."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def wait_until(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+class PlaceholderRunner:
+    """Samples ``(last token + 1) % vocab`` for each sampling sequence (accepting any drafts) and
+    moves ``clock`` on by what ``step_model`` predicts for the batch."""
+
+    def __init__(self, clock: SimClock, step_model: StepModel, vocab_size: int) -> None:
+        self.clock = clock
+        self.step_model = step_model
+        self.vocab_size = vocab_size
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
+        self.clock.advance(self.step_model.predict(batch_features(batch)))
+        out = {}
+        for seq in batch.seqs:
+            if not seq.sample:
+                continue
+            drafts = list(seq.draft_token_ids)
+            last = seq.token_ids[len(seq.token_ids) - len(drafts) - 1]
+            targets = [self._next(t, seq.banned_token_ids) for t in [last, *drafts]]
+            out[seq.request_id] = SampledToken(targets[0], draft_targets=targets[1:])
+        return out
+
+    def _next(self, token: int, banned: object) -> int:
+        token = (token + 1) % self.vocab_size
+        while token in banned:  # type: ignore[operator]
+            token = (token + 1) % self.vocab_size
+        return token

@@ -1,0 +1,177 @@
+"""``tokenline simulate``: the real Scheduler and KVCacheManager, through ``EngineCore``, on a
+simulated clock, loaded by a closed-loop client like ``tokenline bench serve``'s; the report has
+the same fields as ``bench serve --output-json``, so the two compare field by field.
+
+The same closed loop drives a real engine on the wall clock (``run_closed_loop``), which is how the
+tests hold a simulation against a real run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenline.bench.serve import BenchServeReport, RequestResult, _stats_ms, make_prompts
+from tokenline.engine.engine_core import EngineCore
+from tokenline.engine.kv_cache_manager import KVCacheManager
+from tokenline.engine.messages import EngineRequest
+from tokenline.engine.scheduler import SchedulerConfig
+from tokenline.sampling_params import SamplingParams
+from tokenline.sim.placeholder_runner import PlaceholderRunner, SimClock
+from tokenline.sim.profile import Profile
+
+GIB = 1 << 30
+
+
+@dataclass
+class SimConfig:
+    concurrency: int = 1
+    num_prompts: int = 16
+    input_len: int = 128
+    output_len: int = 64
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_gib: float = 2.0
+    block_size: int = 16
+    seed: int = 0
+    request_overhead_s: float | None = None  # None: the profile's
+
+    def __post_init__(self) -> None:
+        if min(self.concurrency, self.num_prompts, self.input_len, self.output_len) < 1:
+            raise ValueError("concurrency, num_prompts, input_len and output_len must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be > 0")
+        if self.request_overhead_s is not None and self.request_overhead_s < 0:
+            raise ValueError("request_overhead must be >= 0")
+
+
+@dataclass
+class ClosedLoopRun:
+    results: list[RequestResult]
+    duration_s: float
+    max_in_flight: int
+
+
+def run_closed_loop(
+    core: EngineCore,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    request_overhead_s: float = 0.0,
+    wait_until: Callable[[float], None] | None = None,
+) -> ClosedLoopRun:
+    """Keep ``concurrency`` requests in flight until every prompt has had ``output_len`` tokens.
+
+    A request reaches the engine ``request_overhead_s`` after its client sends it (the HTTP and
+    tokenize path); its TTFT and E2E count from the send. Times come from ``core.clock``;
+    ``wait_until`` passes idle time (default: sleep on the wall clock)."""
+    clock = core.clock
+    wait = wait_until or (lambda t: time.sleep(max(0.0, t - clock())))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True).with_defaults()
+    results = [RequestResult(prompt_len=len(p)) for p in prompts]
+    sent = [0.0] * len(prompts)
+    last = [0.0] * len(prompts)
+    arrivals: list[tuple[float, int]] = []
+    next_index = in_flight = max_in_flight = finished = 0
+
+    def send(now: float) -> None:
+        nonlocal next_index, in_flight, max_in_flight
+        sent[next_index] = now
+        heapq.heappush(arrivals, (now + request_overhead_s, next_index))
+        next_index += 1
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+
+    start = clock()
+    while next_index < min(concurrency, len(prompts)):
+        send(start)
+    while finished < len(prompts):
+        now = clock()
+        while arrivals and arrivals[0][0] <= now:
+            _, i = heapq.heappop(arrivals)
+            core.add_request(EngineRequest(str(i), prompts[i], params, arrival_time=now))
+        if not core.has_unfinished_requests():
+            wait(arrivals[0][0])  # nothing to run until the next request lands
+            continue
+        outputs = core.step()
+        now = clock()
+        for out in outputs:
+            i = int(out.request_id)
+            r = results[i]
+            if out.new_token_ids:
+                if r.ttft is None:
+                    r.ttft = now - sent[i]
+                else:
+                    r.itl.append(now - last[i])
+                last[i] = now
+            if out.finished:
+                r.e2e = now - sent[i]
+                r.output_tokens = out.num_output_tokens
+                r.usage_reported = r.success = True
+                finished += 1
+                in_flight -= 1
+                if next_index < len(prompts):
+                    send(now)
+    return ClosedLoopRun(results, clock() - start, max_in_flight)
+
+
+def build_sim_core(profile: Profile, config: SimConfig, clock: SimClock) -> EngineCore:
+    """An EngineCore with the real scheduler and KV books, a pool sized like the real engine's for
+    ``kv_cache_memory_gib``, and the placeholder runner."""
+    num_blocks = int(config.kv_cache_memory_gib * GIB) // (profile.kv_bytes_per_token * config.block_size)
+    kv_cache = KVCacheManager(num_blocks, config.block_size, True, 0, False)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=profile.max_model_len,
+    )
+    runner = PlaceholderRunner(clock, profile.step_model, profile.vocab_size)
+    return EngineCore(runner, kv_cache, scheduler_config, clock=clock)
+
+
+def report(run: ClosedLoopRun, config: SimConfig, model: str, base_url: str) -> BenchServeReport:
+    """``bench serve``'s report of a closed-loop run."""
+    ok = [r for r in run.results if r.success]
+    return BenchServeReport(
+        base_url=base_url,
+        endpoint="completions",
+        model=model,
+        concurrency=config.concurrency,
+        num_prompts=config.num_prompts,
+        input_len=config.input_len,
+        output_len=config.output_len,
+        seed=config.seed,
+        shared_prefix_len=0,
+        input_len_exact=True,
+        completed=len(ok),
+        failed=len(run.results) - len(ok),
+        errors={},
+        duration_s=run.duration_s,
+        total_input_tokens=sum(r.prompt_len for r in ok),
+        total_output_tokens=sum(r.output_tokens for r in ok),
+        max_in_flight=run.max_in_flight,
+        usage_reported=sum(r.usage_reported for r in ok),
+        ttft_ms=_stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=_stats_ms([t for r in ok if (t := r.tpot) is not None]),
+        itl_ms=_stats_ms([x for r in ok for x in r.itl]),
+        e2e_ms=_stats_ms([r.e2e for r in ok]),
+    )
+
+
+def workload_prompts(config: SimConfig, vocab_size: int) -> list[list[int]]:
+    """Seeded random prompts of exactly ``input_len`` ids, like ``bench serve``'s."""
+    return make_prompts(config.num_prompts, config.input_len, range(vocab_size), config.seed)
+
+
+def simulate(profile: Profile, config: SimConfig) -> BenchServeReport:
+    """Run the workload on simulated time and report it as ``bench serve`` would."""
+    clock = SimClock()
+    core = build_sim_core(profile, config, clock)
+    overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
+    prompts = workload_prompts(config, profile.vocab_size)
+    run = run_closed_loop(core, prompts, config.output_len, config.concurrency, overhead, clock.wait_until)
+    return report(run, config, profile.model, "simulated")

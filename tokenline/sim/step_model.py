@@ -1,0 +1,65 @@
+"""The step-time model: step_s = a + b·prefill_tokens + c·decode_seqs + d·attended_context_tokens.
+
+Fitted by least squares on step records of the real engine (``calibrate``), and used by the
+simulator's runner to advance its clock (``simulate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenline.model.batch import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What one step computed, in the terms of the model."""
+
+    prefill_tokens: int
+    decode_seqs: int
+    attended_context_tokens: int  # per sequence, every position its new tokens attend to (the KV read)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    a: float  # seconds per step
+    b: float  # seconds per prefill token
+    c: float  # seconds per decoding sequence
+    d: float  # seconds per attended context token
+    residual_rms_s: float = 0.0  # root-mean-square error of the fit on its own records
+
+    def predict(self, f: StepFeatures) -> float:
+        # A negative coefficient fitted on noise must never make time run backwards.
+        return max(0.0, self.a + self.b * f.prefill_tokens + self.c * f.decode_seqs + self.d * f.attended_context_tokens)
+
+
+def batch_features(batch: ScheduledBatch) -> StepFeatures:
+    """The features of a scheduled batch: a sequence computing one token past its prompt decodes
+    (drafts beside it count as prefill tokens here); any other chunk is prefill."""
+    prefill = decode = context = 0
+    for seq in batch.seqs:
+        n = len(seq.token_ids)
+        if n - len(seq.draft_token_ids) == 1 and seq.start_pos >= len(seq.prompt_token_ids):
+            decode += 1
+            prefill += len(seq.draft_token_ids)
+        else:
+            prefill += n
+        context += seq.start_pos + n
+    return StepFeatures(prefill, decode, context)
+
+
+def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float]) -> StepModel:
+    """Least-squares fit of the four coefficients to measured step times."""
+    if len(features) != len(durations_s):
+        raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
+    if len(features) < 4:
+        raise ValueError(f"need at least 4 steps to fit 4 coefficients, got {len(features)}")
+    x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, f.attended_context_tokens] for f in features])
+    y = np.asarray(durations_s, dtype=np.float64)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+    a, b, c, d = (float(v) for v in coef)
+    return StepModel(a, b, c, d, residual)
