@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ class Profile:
     # Per request, outside the engine (HTTP, tokenize, detokenize, streaming): added to TTFT and E2E.
     request_overhead_s: float = 0.0
     num_steps: int = 0  # steps the fit used
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
