@@ -306,7 +306,12 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     if args.request_overhead_ms < 0:
         print("tokenline bench calibrate: --request-overhead-ms must be >= 0", file=sys.stderr)
         return 2
-    profile = calibrate(resolve_model(args.model), args.dtype, request_overhead_s=args.request_overhead_ms / 1000)
+    try:
+        model_dir = resolve_model(args.model)
+    except FileNotFoundError as e:
+        print(f"tokenline bench calibrate: {e}", file=sys.stderr)
+        return 2
+    profile = calibrate(model_dir, args.dtype, request_overhead_s=args.request_overhead_ms / 1000)
     m = profile.step_model
     print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token + {m.c * 1e3:.3f} ms/decode seq "
           f"+ {m.d * 1e6:.4f} us/attended context token  (fit rms {m.residual_rms_s * 1e3:.2f} ms over "

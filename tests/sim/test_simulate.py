@@ -86,3 +86,8 @@ def test_cli_writes_bench_serve_fields_and_refuses_bad_input(tmp_path: Path, cap
     assert "context is 4096 tokens" in capsys.readouterr().err
     assert main(["simulate", "--profile", str(path), "--concurrency", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_a_missing_model_before_loading_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "calibrate", "--model", str(tmp_path / "none"), "--output", str(tmp_path / "p.json")]) == 2
+    assert "not found" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
