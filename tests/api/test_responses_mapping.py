@@ -90,7 +90,7 @@ def test_vllm_sampling_extensions_reach_the_chat_request() -> None:
     assert unset.ignore_eos is False and unset.top_k is None and unset.frequency_penalty == 0.0
     with pytest.raises(APIError) as refused:
         ResponsesRequest(model="m", input="hi", top_k=-7).to_chat([{"role": "user", "content": "hi"}])
-    assert refused.value.status_code == 400
+    assert refused.value.status_code == 400 and refused.value.param == "top_k"
 
 
 def test_tools_and_formats_are_checked() -> None:

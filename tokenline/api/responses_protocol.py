@@ -165,7 +165,9 @@ class ResponsesRequest(_Request):
         except ValidationError as exc:
             # Each part was checked above, so this is a shape we did not foresee: a 400 all the same.
             error = validation_error(exc.errors())
-            raise APIError.bad_request(error.message, param="input") from exc
+            # A vLLM extension passed through as given is named as sent; anything else is the input.
+            param = error.param if error.param in VLLM_SAMPLING_EXTENSIONS else "input"
+            raise APIError.bad_request(error.message, param=param) from exc
 
 
 class _ResponsesChatRequest(ChatCompletionRequest):
