@@ -21,14 +21,17 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"model", "sampling_params"},
     "frontend": {"engine.messages", "model.grammar", "sampling_params"},
     "gateway": {"engine.messages", "model.model_store"},
-    "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "sampling_params", "__version__"},
+    "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "router", "sampling_params",
+            "__version__"},
+    # routing policies and fleet clients: engine records and clients, never a model
+    "router": {"engine", "sampling_params"},
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
     "bench": {"engine", "frontend", "llm", "model", "sampling_params"},
-    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "sampling_params", "serve_args",
+    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
             "sim", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape
-    "sim": {"bench.serve", "engine", "model", "sampling_params"},
+    "sim": {"bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     "serve_args": {"model.model_store"},  # cli's table of vLLM serve flags

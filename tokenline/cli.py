@@ -54,6 +54,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
 
 
+def add_routing_args(parser: argparse.ArgumentParser) -> None:
+    """How a fleet (--data-parallel-size engines, a router's upstreams) picks a replica per request."""
+    parser.add_argument("--routing-policy", default=None, metavar="NAME",
+                        help="round_robin, least_load, prefix (affinity from the prompts routed) or kv_events "
+                             "(affinity from the replicas' KV events; the default)")
+    parser.add_argument("--session-affinity", action="store_true",
+                        help="requests with the same `user` go to the same replica while it is up")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         dtype=args.dtype,
@@ -126,6 +135,10 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         uvicorn_log_level=args.uvicorn_log_level,
         engine=dataclasses.replace(engine_config_from_args(args), seed=args.seed, tokenizer=args.tokenizer),
         engine_restart=restart_policy_from_args(args),
+        data_parallel_size=args.data_parallel_size or 1,
+        threads_per_engine=args.threads_per_engine,
+        routing_policy=args.routing_policy,
+        session_affinity=args.session_affinity,
         metrics_auth=args.metrics_auth,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -134,6 +147,12 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections or None,
     )
+    if settings.threads_per_engine is not None and settings.threads_per_engine < 1:
+        raise ValueError(f"--threads-per-engine must be at least 1, got {settings.threads_per_engine}")
+    if settings.data_parallel_size > 1:
+        from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy
+
+        build_policy(settings.routing_policy or DEFAULT_DATA_PARALLEL_POLICY)  # an unknown name fails here
     door_policy(settings)  # contradictory access flags (e.g. --metrics-auth admin without keys) fail here
     return settings, idle
 
@@ -466,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections beyond which requests (probes excepted) get a 503 (0 = no cap)")
+    p.add_argument("--threads-per-engine", type=int, default=None,
+                   help="torch threads of each engine (default: the cores split between --data-parallel-size engines)")
+    add_routing_args(p)
     add_engine_args(p)
     add_vllm_args(p)
     p.set_defaults(func=cmd_serve)

@@ -35,6 +35,12 @@ def _single(what: str) -> Callable[[Any], str | None]:
     return refuse
 
 
+def _positive(flag: str) -> Callable[[Any], str | None]:
+    def refuse(value: Any) -> str | None:
+        return None if value is None or value >= 1 else f"must be at least 1, got {value}"
+    return refuse
+
+
 def _refuse_quantization(value: Any) -> str | None:
     if value is None:
         return None
@@ -108,9 +114,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--pipeline-parallel-size", "-pp"), LIMITED,
              "one engine on one device: 1 changes nothing, more is refused", {"type": int},
              refuse=_single("one engine on one device"), idle=lambda v: v == 1),
-    VllmFlag(("--data-parallel-size", "-dp"), LIMITED, "one engine per server: 1 changes nothing, more is refused",
-             {"type": int},
-             refuse=_single("one engine per server"), idle=lambda v: v == 1),
+    VllmFlag(("--data-parallel-size", "-dp"), WIRED,
+             "N engine processes behind this API process, --routing-policy choosing one per request",
+             {"type": int, "default": 1}, refuse=_positive("--data-parallel-size")),
     VllmFlag(("--distributed-executor-backend",), LIMITED,
              "one engine process: mp / uni change nothing, ray is refused",
              {"choices": ["mp", "uni", "ray", "external_launcher"]}, refuse=_refuse_executor, idle=lambda v: True),

@@ -47,6 +47,7 @@ from tokenline.api.serving import OpenAIServing
 from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.process_client import EngineProcessClient
+from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.door import Door
@@ -105,6 +106,12 @@ class ServerSettings:
     generation_config: str = "auto"  # sampling defaults: "auto" (the model's), "vllm" (none) or a folder
     uvicorn_log_level: str = "info"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # --data-parallel-size: N engine processes behind this API process, a routing policy choosing
+    # one per request (tokenline/router); threads per engine default to the cores split evenly.
+    data_parallel_size: int = 1
+    threads_per_engine: int | None = None
+    routing_policy: str | None = None  # default: kv_events (tokenline/router/policies.py)
+    session_affinity: bool = False  # requests with the same `user` stay on one engine
     # A dead engine is restarted with backoff; more deaths than this within the window exit the server.
     engine_restart: RestartPolicy | None = field(default_factory=RestartPolicy)
 
@@ -159,7 +166,15 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         tokenizer.set_chat_template(settings.chat_template)
     model_names = served_model_names(settings)
     served_model_name = model_names[0]
-    if client is None:
+    if client is None and settings.data_parallel_size > 1:
+        policy_name = settings.routing_policy or DEFAULT_DATA_PARALLEL_POLICY
+        client = local_fleet(
+            settings.engine, model_dir, tokenizer.vocab_size, settings.data_parallel_size,
+            threads_per_engine=settings.threads_per_engine,
+            policy=build_policy(policy_name, settings.session_affinity, settings.engine.seed),
+            kv_events=policy_name == "kv_events", restart=settings.engine_restart,
+        )
+    elif client is None:
         client = EngineProcessClient(settings.engine, model_dir, tokenizer.vocab_size, settings.engine_restart)
     gateway = build_gateway(settings, client, served_model_name)
     keys, limiter, ledger, metrics = gateway.keys, gateway.limiter, gateway.ledger, gateway.metrics

@@ -187,13 +187,14 @@ class OpenAIServing:
         priority: int,
         chat_parser: ChatParserFactory | None = None,
         response_id: str | None = None,
+        session_id: str | None = None,
     ) -> _Generation:
         # Tokens are charged before any expensive work: the prompt plus the completion reserved.
         reserved = (params.max_tokens or 0) * params.n * len(prompts)
         await self.gateway.reserve(ctx, sum(len(p) for p in prompts), reserved)
         state = self.processor.fan_out(
             response_id or random_id(prefix), prompts, params, priority=priority, client_request_id=ctx.request_id,
-            chat_parser=chat_parser,
+            chat_parser=chat_parser, session_id=session_id,
         )
         ctx.name_response(state.group_id, state.request_ids)
         try:
@@ -352,7 +353,7 @@ class OpenAIServing:
         params = self._params(request, prompt_ids, tool_grammar)
         return await self._start(
             ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools),
-            response_id=response_id,
+            response_id=response_id, session_id=request.user,
         )
 
     async def _chat_full(self, gen: _Generation) -> Response:
@@ -449,7 +450,7 @@ class OpenAIServing:
             self.processor.check_prompt(prompt_ids, "prompt")
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
         params = self._params(request, max(prompts, key=len))
-        gen = await self._start(ctx, "cmpl", prompts, params, request.priority)
+        gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user)
         if request.stream:
             return _sse(self._completion_stream(gen, request))
         return await _until_disconnect(self._completion_full(gen), raw)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,10 @@ class EngineConfig:
     kv_events_topic: str = ""
     # Structured output: a grammar that has not compiled after this long fails its request.
     grammar_compile_timeout_s: float = 10.0
+    # Threads for the engine's torch ops and kernels (None: torch's default, all cores); with
+    # --data-parallel-size the cores are split between the engines.
+    num_threads: int | None = None
+    data_parallel_rank: int = 0  # which engine of a data-parallel server (KV events carry it)
     seed: int | None = None  # vLLM's --seed: seeds the RNG of requests that bring no seed of their own
     tokenizer: str | None = None  # vLLM's --tokenizer: a directory whose tokenizer.json replaces the model's
 
@@ -89,6 +95,31 @@ def parse_kv_events_config(text: str) -> dict[str, Any]:
         "kv_events_replay_endpoint": raw.get("replay_endpoint") if publish else None,
         "kv_events_topic": str(raw.get("topic", "")),
     }
+
+
+def offset_endpoint(endpoint: str | None, offset: int) -> str | None:
+    """``tcp://host:port`` moved ``offset`` ports up: each data-parallel engine publishes its KV
+    events on the base port plus its rank, as vLLM does. Other transports get a ``-rank`` suffix."""
+    if endpoint is None or offset == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + offset}"
+    return f"{endpoint}-{offset}"
+
+
+def data_parallel_configs(config: EngineConfig, size: int, threads_per_engine: int | None) -> list[EngineConfig]:
+    """The configs of ``size`` engines sharing one machine: each gets its rank, its own KV-event
+    ports and ``threads_per_engine`` threads (default: the cores split evenly, at least one)."""
+    threads = threads_per_engine or max(1, (os.cpu_count() or 1) // size)
+    return [
+        dataclasses.replace(
+            config, data_parallel_rank=rank, num_threads=threads,
+            kv_events_endpoint=offset_endpoint(config.kv_events_endpoint, rank),
+            kv_events_replay_endpoint=offset_endpoint(config.kv_events_replay_endpoint, rank),
+        )
+        for rank in range(size)
+    ]
 
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:

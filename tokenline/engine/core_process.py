@@ -42,6 +42,10 @@ def run_engine_process(
 ) -> None:
     """Entry point of the engine process (started with the ``spawn`` method)."""
     publisher = None
+    if config.num_threads:
+        import torch  # the engine process owns torch; threads are set before any op runs
+
+        torch.set_num_threads(config.num_threads)
     try:
         # A port already taken fails the start visibly, and before the model's long load.
         publisher = _start_publisher(config)
@@ -77,7 +81,8 @@ def _start_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
         return None
     from tokenline.engine.kv_events_zmq import ZmqEventPublisher  # only its users import pyzmq
 
-    return ZmqEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic)
+    return ZmqEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic,
+                             data_parallel_rank=config.data_parallel_rank)
 
 
 def _loop(

@@ -35,6 +35,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first; ties go to the earlier arrival
     client_request_id: str | None = None  # the caller's X-Request-Id: joins engine logs to the edge's
+    session_id: str | None = None  # the caller's session key (OpenAI's ``user``): session affinity in a fleet
 
 
 @dataclass

@@ -209,6 +209,7 @@ class InputProcessor:
         priority: int = 0,
         client_request_id: str | None = None,
         chat_parser: ChatParserFactory | None = None,
+        session_id: str | None = None,
     ) -> RequestState:
         """One engine request per prompt and per ``n``: ``{group_id}-{index}``. Each is generated on
         its own (the prefix cache shares the prompt's blocks); seeded children get distinct seeds."""
@@ -228,7 +229,8 @@ class InputProcessor:
                 )
                 requests.append(
                     EngineRequest(
-                        request_id, list(prompt_ids), child, priority=priority, client_request_id=client_request_id
+                        request_id, list(prompt_ids), child, priority=priority, client_request_id=client_request_id,
+                        session_id=session_id,
                     )
                 )
         return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)
