@@ -76,7 +76,6 @@ class FleetClient(EngineClient):
         self._clock = clock
         self.counters: dict[str, MemberCounters] = {name: MemberCounters() for name in members}
         self.decisions: Counter[tuple[str, str]] = Counter()  # (member, reason) -> requests
-        self._member_stats: dict[str, EngineStats] = {name: EngineStats() for name in members}
         self._ejected_until: dict[str, float] = {}
         self._in_flight: Counter[str] = Counter()  # member -> caller requests there now
         self._request_member: dict[str, str] = {}  # engine request id -> member now serving it
@@ -178,8 +177,8 @@ class FleetClient(EngineClient):
     # --- routing -------------------------------------------------------------------------------
 
     def member_state(self, name: str) -> ReplicaState:
-        member, stats = self.members[name], self._member_stats[name]
-        info = member.info
+        member = self.members[name]
+        stats, info = member.stats, member.info
         return ReplicaState(
             name=name, num_running=stats.num_running, num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage, in_flight=self._in_flight[name],
@@ -306,7 +305,6 @@ class FleetClient(EngineClient):
     # --- what members report -------------------------------------------------------------------
 
     def _on_member_step(self, name: str, step: StepOutputs) -> None:
-        self._member_stats[name] = step.stats
         self.stats = self._sum_stats()
         if step.kv_events:
             try:
@@ -322,12 +320,12 @@ class FleetClient(EngineClient):
     def _sum_stats(self) -> EngineStats:
         total = EngineStats()
         numeric = [f.name for f in dataclasses.fields(EngineStats) if f.name != "kv_cache_usage"]
-        for stats in self._member_stats.values():
+        members = [m.stats for m in self.members.values()]
+        for stats in members:
             for field_name in numeric:
                 setattr(total, field_name, getattr(total, field_name) + getattr(stats, field_name))
         if total.num_kv_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
         else:
-            n = len(self._member_stats)
-            total.kv_cache_usage = sum(s.kv_cache_usage for s in self._member_stats.values()) / max(1, n)
+            total.kv_cache_usage = sum(s.kv_cache_usage for s in members) / max(1, len(members))
         return total
