@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     # routing policies and fleet clients: engine records and clients, never a model
     "router": {"engine", "sampling_params"},
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
-    "bench": {"engine", "frontend", "llm", "model", "sampling_params"},
+    # bench serve reads /metrics deltas with top's helpers (top imports no tokenline code)
+    "bench": {"engine", "frontend", "llm", "model", "sampling_params", "top"},
     "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
             "sim", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,

@@ -304,13 +304,20 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not isinstance(extra_body, dict):
         print("tokenline bench serve: --extra-body must be a JSON object", file=sys.stderr)
         return 2
-    config = BenchServeConfig(
-        base_url=args.base_url, concurrency=args.concurrency, num_prompts=args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len, seed=args.seed, model=args.model,
-        api_key=args.api_key, endpoint=args.endpoint, tokenizer_dir=args.tokenizer_dir,
-        shared_prefix_len=args.shared_prefix_len, timeout=args.timeout,
-        extra_body=extra_body,
-    )
+    endpoint = args.endpoint or ("chat" if args.workload == "multiturn" else "completions")
+    try:
+        config = BenchServeConfig(
+            base_url=args.base_url, concurrency=args.concurrency, num_prompts=args.num_prompts,
+            input_len=args.input_len, output_len=args.output_len, seed=args.seed, model=args.model,
+            api_key=args.api_key, endpoint=endpoint, tokenizer_dir=args.tokenizer_dir,
+            shared_prefix_len=args.shared_prefix_len, timeout=args.timeout,
+            extra_body=extra_body, workload=args.workload, num_groups=args.num_groups,
+            num_conversations=args.num_conversations, turns=args.turns, system_prompt_len=args.system_prompt_len,
+            replica_metrics_urls=args.replica_metrics_url or [], metrics_api_key=args.metrics_api_key,
+        )
+    except ValueError as e:
+        print(f"tokenline bench serve: {e}", file=sys.stderr)
+        return 2
     report = asyncio.run(run_bench_serve(config))
     print(report.format_table())
     if args.output_json:
@@ -558,15 +565,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("serve", help="load an OpenAI-compatible server with streaming requests")
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=int, default=1, help="most requests in flight")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=1,
+                   help="most requests (multiturn: conversations) in flight")
+    p.add_argument("--workload", default="random", choices=["random", "multiturn"],
+                   help="random: --num-prompts prompts of --input-len; multiturn: chats over shared system "
+                        "prompts, each turn a fresh user message of --input-len plus the model's earlier answers")
+    p.add_argument("--num-prompts", type=int, default=64, help="random workload: requests")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (multiturn: per user message)")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-groups", type=int, default=4, help="multiturn: system prompts, one per group")
+    p.add_argument("--num-conversations", type=int, default=16, help="multiturn: conversations over the groups")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--system-prompt-len", type=int, default=512, help="multiturn: tokens of each system prompt")
+    p.add_argument("--replica-metrics-url", action="append", default=None, metavar="URL",
+                   help="read prefix-cache counters from this replica's /metrics (repeat per replica; "
+                        "default: --base-url's)")
+    p.add_argument("--metrics-api-key", default=None, help="key for /metrics (default: --api-key)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
-                   help="completions: token-id prompts, exact length; chat: decoded text, approximate")
+    p.add_argument("--endpoint", default=None, choices=["completions", "chat"],
+                   help="completions: token-id prompts, exact length; chat: decoded text, approximate "
+                        "(default: completions; multiturn: chat)")
     p.add_argument("--tokenizer-dir", default=None, help="tokenizer for the random ids (default: the default model's)")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="leading tokens every prompt shares")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

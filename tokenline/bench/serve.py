@@ -5,6 +5,11 @@ through ``/v1/completions`` (as token-id arrays, so the input length is exact) o
 ``/v1/chat/completions`` (as decoded text, so it is approximate), with at most C requests in
 flight. Per request it measures TTFT, inter-token latencies, TPOT and end-to-end latency, and the
 report holds throughput and percentiles in the spirit of ``vllm bench serve``.
+
+``workload="multiturn"`` sends chats instead (``bench/multiturn.py``): groups sharing a system
+prompt, conversations whose turns feed the model's answers back. Either way the report holds the
+prefix-cache hit rate over the run, from the server's (or each replica's) ``/metrics``, and the
+share of prompt tokens the responses' usage reported as cached.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import httpx
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+WORKLOADS = ("random", "multiturn")
 
 
 @dataclass
@@ -42,10 +48,28 @@ class BenchServeConfig:
     # Fields merged into every request body, e.g. {"response_format": {...}} to load a server with
     # structured output (as vLLM's bench client's --extra-body).
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # "random": num_prompts prompts of input_len; "multiturn": num_conversations chats of `turns`
+    # turns over num_groups system prompts of system_prompt_len tokens, input_len per user message.
+    workload: str = "random"
+    num_groups: int = 4
+    num_conversations: int = 16
+    turns: int = 4
+    system_prompt_len: int = 512
+    # Where the prefix-cache counters are read: each replica's /metrics (base or full URL);
+    # empty: the server's own, at base_url. metrics_api_key None: api_key.
+    replica_metrics_urls: list[str] = field(default_factory=list)
+    metrics_api_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, not {self.endpoint!r}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {list(WORKLOADS)}, not {self.workload!r}")
+        if self.workload == "multiturn":
+            if self.endpoint != "chat":
+                raise ValueError("the multiturn workload sends chat messages: use endpoint chat")
+            if min(self.num_groups, self.num_conversations, self.turns, self.system_prompt_len) < 1:
+                raise ValueError("num_groups, num_conversations, turns and system_prompt_len must be >= 1")
         if self.concurrency < 1 or self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
             raise ValueError("concurrency, num_prompts, input_len and output_len must be >= 1")
         if not 0 <= self.shared_prefix_len <= self.input_len:
@@ -66,6 +90,8 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     usage_reported: bool = False
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
+    text: str = ""  # the answer, collected only when asked (multiturn feeds it back)
 
     @property
     def tpot(self) -> float | None:
@@ -124,6 +150,23 @@ class BenchServeReport:
     tpot_ms: dict[str, float | None]
     itl_ms: dict[str, float | None]
     e2e_ms: dict[str, float | None]
+    # the workload (the multiturn settings are None for random)
+    workload: str = "random"
+    num_groups: int | None = None
+    num_conversations: int | None = None
+    turns: int | None = None
+    system_prompt_len: int | None = None
+    # Prefix cache over the run, server side: /metrics counter increases (None: not read, the
+    # note says why); fleet-wide = sum of hits / sum of queries; one entry per replica.
+    prefix_cache_hit_rate: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    prefix_cache_replicas: list[dict[str, Any]] = field(default_factory=list)
+    prefix_cache_note: str = ""
+    # Client side: cached / prompt tokens of the completed requests whose usage reported cached tokens.
+    cached_prompt_tokens: int = 0
+    cached_tokens_share: float | None = None
+    cached_tokens_share_by_turn: list[float | None] = field(default_factory=list)  # multiturn: turn 1, 2, …
 
     @property
     def request_throughput(self) -> float:
@@ -157,6 +200,11 @@ class BenchServeReport:
         def num(v: float | None, fmt: str = ".2f") -> str:
             return "-" if v is None else format(v, fmt)
 
+        width = 30
+
+        def pct(v: float | None) -> str:
+            return "-" if v is None else f"{100 * v:.1f}%"
+
         input_note = "" if self.input_len_exact else " (approximate: chat text)"
         rows: list[tuple[str, str] | str] = [
             "settings",
@@ -164,9 +212,24 @@ class BenchServeReport:
             ("endpoint", f"{ENDPOINTS[self.endpoint]}"),
             ("model", self.model),
             ("concurrency", str(self.concurrency)),
-            ("prompts", str(self.num_prompts)),
-            ("input len", f"{self.input_len}{input_note}"),
-            ("shared prefix len", str(self.shared_prefix_len)),
+            ("workload", self.workload),
+        ]
+        if self.workload == "multiturn":
+            rows += [
+                ("groups", str(self.num_groups)),
+                ("conversations", str(self.num_conversations)),
+                ("turns", str(self.turns)),
+                ("requests", str(self.num_prompts)),
+                ("system prompt len", f"{self.system_prompt_len}{input_note}"),
+                ("user message len", f"{self.input_len}{input_note}"),
+            ]
+        else:
+            rows += [
+                ("prompts", str(self.num_prompts)),
+                ("input len", f"{self.input_len}{input_note}"),
+                ("shared prefix len", str(self.shared_prefix_len)),
+            ]
+        rows += [
             ("output len", str(self.output_len)),
             ("seed", str(self.seed)),
             "results",
@@ -185,6 +248,19 @@ class BenchServeReport:
             rows.extend((stat, num(stats[stat])) for stat in ("mean", "p50", "p90", "p99"))
         rows.append("E2E latency (ms)")
         rows.extend((stat, num(self.e2e_ms[stat])) for stat in ("mean", "p50", "p99"))
+        rows.append("prefix cache")
+        hits = "-" if self.prefix_cache_queries is None else \
+            f"{pct(self.prefix_cache_hit_rate)} of {self.prefix_cache_queries:.0f} tokens"
+        rows.append(("hit rate (/metrics)", hits))
+        if len(self.prefix_cache_replicas) > 1:
+            for r in self.prefix_cache_replicas:
+                where = r["url"].removesuffix("/metrics") + (f" engine {r['engine']}" if r["engine"] else "")
+                rows.append((f"  {where}"[:width - 1], f"{pct(r['hit_rate'])} of {r['queries']:.0f} tokens"))
+        rows.append(("cached share (usage)", pct(self.cached_tokens_share)))
+        for turn, share in enumerate(self.cached_tokens_share_by_turn, 1):
+            rows.append((f"  turn {turn}", pct(share)))
+        if self.prefix_cache_note:
+            rows.append(f"note: no /metrics hit rate: {self.prefix_cache_note}")
         if self.usage_reported < self.completed:
             rows.append(f"note: {self.completed - self.usage_reported} request(s) sent no usage; "
                         "their output tokens are counted as content chunks")
@@ -192,7 +268,6 @@ class BenchServeReport:
             rows.append("errors")
             rows.extend((str(count), msg[:120]) for msg, count in self.errors.items())
 
-        width = 30
         lines = []
         for row in rows:
             if isinstance(row, str):
@@ -249,7 +324,9 @@ def _carries_text(data: str, chat: bool) -> bool:
 
 
 async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int,
-                chat: bool, timeout: float) -> RequestResult:
+                chat: bool, timeout: float, collect_text: bool = False) -> RequestResult:
+    """One streamed request. ``collect_text``: keep the answer in ``result.text`` (costs a JSON
+    decode per chunk, so only when the text is needed)."""
     result = RequestResult(prompt_len=prompt_len)
     content_chunks = 0
     finished = False
@@ -277,6 +354,10 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], pr
                             result.itl.append(now - last)
                         last = now
                         content_chunks += 1
+                        if collect_text:
+                            for choice in json.loads(data).get("choices") or []:
+                                part = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                                result.text += part or ""
                     # Full decode only for the rare chunks that need it: the final usage and errors.
                     if '"usage":{' in data or '"usage": {' in data or '"error":' in data:
                         obj = json.loads(data)
@@ -289,6 +370,9 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], pr
                             result.output_tokens = int(usage.get("completion_tokens") or 0)
                             if usage.get("prompt_tokens"):
                                 result.prompt_len = int(usage["prompt_tokens"])
+                            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                            if cached is not None:
+                                result.cached_tokens = int(cached)
                             finished = True  # some servers end the stream after usage without [DONE]
     except TimeoutError:
         result.error = f"timeout after {timeout:g} s"
@@ -324,17 +408,22 @@ async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
-    """Send ``config.num_prompts`` streaming requests, at most ``config.concurrency`` at a time."""
+    """Send ``config.num_prompts`` streaming requests (or the multiturn workload's turns), at most
+    ``config.concurrency`` at a time, and read the prefix-cache counters before and after."""
+    from tokenline.bench.prefix_cache import ScrapeError, hit_rates, scrape_prefix_counters
+
     tokenizer = load_tokenizer(config.tokenizer_dir)
     ordinary = ordinary_token_ids(tokenizer.vocab_size, tokenizer.all_special_ids)
-    prompts = make_prompts(config.num_prompts, config.input_len, ordinary, config.seed, config.shared_prefix_len)
     chat = config.endpoint == "chat"
     base_url = config.base_url.rstrip("/")
     url = base_url + ENDPOINTS[config.endpoint]
+    metrics_urls = config.replica_metrics_urls or [base_url]
+    metrics_key = config.metrics_api_key if config.metrics_api_key is not None else config.api_key
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    # One connection per worker, so that no request waits for a connection instead of the server.
-    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    # One connection per worker, so that no request waits for a connection instead of the server
+    # (and one more for the /metrics scrapes).
+    limits = httpx.Limits(max_connections=config.concurrency + 1, max_keepalive_connections=config.concurrency + 1)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(config.timeout)) as client:
         model = config.model or await _first_model(client, base_url)
 
@@ -347,43 +436,32 @@ async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
             "temperature": 0,
             **config.extra_body,
         }
-        payloads: list[dict[str, Any]] = []
-        for ids in prompts:
-            if chat:  # decoding and re-encoding random ids changes the count: the length is approximate
-                payloads.append({**common, "messages": [{"role": "user", "content": tokenizer.decode(ids)}]})
-            else:
-                payloads.append({**common, "prompt": ids})
+        note = ""
+        try:
+            before = await scrape_prefix_counters(client, metrics_urls, metrics_key)
+        except ScrapeError as e:  # the load still runs: the usage-side share needs no scrape
+            before, note = None, str(e)
+        if config.workload == "multiturn":
+            results, turns, duration, max_in_flight = await _run_multiturn(
+                client, config, url, common, tokenizer, ordinary)
+        else:
+            results, duration, max_in_flight = await _run_random(client, config, url, common, chat, tokenizer, ordinary)
+            turns = None
+        after = None
+        if before is not None:
+            try:
+                after = await scrape_prefix_counters(client, metrics_urls, metrics_key)
+            except ScrapeError as e:
+                note = str(e)
 
-        results: list[RequestResult | None] = [None] * len(payloads)
-        next_index = 0
-        in_flight = max_in_flight = 0
-
-        async def worker() -> None:
-            nonlocal next_index, in_flight, max_in_flight
-            # One event loop: taking the next index needs no lock.
-            while next_index < len(payloads):
-                i = next_index
-                next_index += 1
-                in_flight += 1
-                max_in_flight = max(max_in_flight, in_flight)
-                try:
-                    results[i] = await _send(client, url, payloads[i], len(prompts[i]), chat, config.timeout)
-                finally:
-                    in_flight -= 1
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(config.concurrency, len(payloads)))))
-        duration = time.perf_counter() - start
-
-    done = [r for r in results if r is not None]
-    ok = [r for r in done if r.success]
-    failed = [r for r in done if not r.success]
-    return BenchServeReport(
+    ok = [r for r in results if r.success]
+    failed = [r for r in results if not r.success]
+    report = BenchServeReport(
         base_url=base_url,
         endpoint=config.endpoint,
         model=model,
         concurrency=config.concurrency,
-        num_prompts=config.num_prompts,
+        num_prompts=len(results),
         input_len=config.input_len,
         output_len=config.output_len,
         seed=config.seed,
@@ -401,4 +479,95 @@ async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
         tpot_ms=_stats_ms([t for r in ok if (t := r.tpot) is not None]),
         itl_ms=_stats_ms([x for r in ok for x in r.itl]),
         e2e_ms=_stats_ms([r.e2e for r in ok]),
+        workload=config.workload,
+        prefix_cache_note=note,
     )
+    if config.workload == "multiturn":
+        report.num_groups, report.num_conversations = config.num_groups, config.num_conversations
+        report.turns, report.system_prompt_len = config.turns, config.system_prompt_len
+    if before is not None and after is not None:
+        rate, replicas = hit_rates(before, after)
+        report.prefix_cache_hit_rate = rate
+        report.prefix_cache_queries = sum(r.queries for r in replicas)
+        report.prefix_cache_hits = sum(r.hits for r in replicas)
+        report.prefix_cache_replicas = [asdict(r) for r in replicas]
+    report.cached_prompt_tokens, report.cached_tokens_share = _cached_share(ok)
+    if turns is not None:
+        report.cached_tokens_share_by_turn = [
+            _cached_share([r for r, t in zip(results, turns) if t == turn and r.success])[1]
+            for turn in range(config.turns)
+        ]
+    return report
+
+
+def _cached_share(results: Sequence[RequestResult]) -> tuple[int, float | None]:
+    """Cached prompt tokens, and their share of the prompt tokens, over the requests that said."""
+    said = [r for r in results if r.cached_tokens is not None]
+    prompt = sum(r.prompt_len for r in said)
+    cached = sum(r.cached_tokens or 0 for r in said)
+    return cached, (cached / prompt if prompt > 0 else None)
+
+
+async def _run_random(client: httpx.AsyncClient, config: BenchServeConfig, url: str, common: dict[str, Any],
+                      chat: bool, tokenizer: Any, ordinary: Sequence[int]) -> tuple[list[RequestResult], float, int]:
+    """The random workload: results in prompt order, the duration and the most requests in flight."""
+    prompts = make_prompts(config.num_prompts, config.input_len, ordinary, config.seed, config.shared_prefix_len)
+    payloads: list[dict[str, Any]] = []
+    for ids in prompts:
+        if chat:  # decoding and re-encoding random ids changes the count: the length is approximate
+            payloads.append({**common, "messages": [{"role": "user", "content": tokenizer.decode(ids)}]})
+        else:
+            payloads.append({**common, "prompt": ids})
+
+    results: list[RequestResult | None] = [None] * len(payloads)
+    next_index = 0
+    in_flight = max_in_flight = 0
+
+    async def worker() -> None:
+        nonlocal next_index, in_flight, max_in_flight
+        # One event loop: taking the next index needs no lock.
+        while next_index < len(payloads):
+            i = next_index
+            next_index += 1
+            in_flight += 1
+            max_in_flight = max(max_in_flight, in_flight)
+            try:
+                results[i] = await _send(client, url, payloads[i], len(prompts[i]), chat, config.timeout)
+            finally:
+                in_flight -= 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(config.concurrency, len(payloads)))))
+    duration = time.perf_counter() - start
+    return [r for r in results if r is not None], duration, max_in_flight
+
+
+async def _run_multiturn(
+    client: httpx.AsyncClient, config: BenchServeConfig, url: str, common: dict[str, Any], tokenizer: Any,
+    ordinary: Sequence[int],
+) -> tuple[list[RequestResult], list[int], float, int]:
+    """The multiturn workload: results and their turn indexes, the duration, the most in flight."""
+    from tokenline.bench.multiturn import Conversation, Message, make_multiturn_workload, run_conversations
+
+    workload = make_multiturn_workload(
+        num_groups=config.num_groups, num_conversations=config.num_conversations, turns=config.turns,
+        system_prompt_len=config.system_prompt_len, input_len=config.input_len, ordinary_ids=ordinary,
+        decode=tokenizer.decode, seed=config.seed,
+    )
+    in_flight = max_in_flight = 0
+
+    async def send(conversation: Conversation, turn: int, messages: list[Message]) -> RequestResult:
+        nonlocal in_flight, max_in_flight
+        payload = {**common, "messages": messages, "user": conversation.conversation_id}
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+        try:
+            # prompt_len 0 until the server's usage says: the chat's token count is the server's.
+            return await _send(client, url, payload, 0, True, config.timeout, collect_text=True)
+        finally:
+            in_flight -= 1
+
+    start = time.perf_counter()
+    turn_results = await run_conversations(workload, send, config.concurrency)
+    duration = time.perf_counter() - start
+    return [t.result for t in turn_results], [t.turn for t in turn_results], duration, max_in_flight

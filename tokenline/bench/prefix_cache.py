@@ -1,0 +1,98 @@
+"""The prefix-cache hit rate over a benchmark run, from the servers' Prometheus ``/metrics``.
+
+vLLM's counters ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` count
+prompt tokens looked up and found. The rate over a run is the ratio of their increases between a
+scrape before and one after. A fleet's rate is the sum of its replicas' hits over the sum of their
+queries (not the mean of their rates: a replica that saw more tokens weighs more). Series of one
+URL that carry vLLM's ``engine`` label are kept apart, as replicas behind one API process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenline.top import counter_delta, metrics_url
+
+QUERIES = "vllm:prefix_cache_queries_total"
+HITS = "vllm:prefix_cache_hits_total"
+
+
+class ScrapeError(Exception):
+    """A ``/metrics`` could not be read; the message says why."""
+
+
+@dataclass
+class PrefixCounters:
+    """One replica's counters at one scrape: ``url`` is its /metrics, ``engine`` the label ("" if none)."""
+
+    url: str
+    engine: str
+    queries: float
+    hits: float
+
+
+@dataclass
+class ReplicaHitRate:
+    url: str
+    engine: str
+    queries: float  # prompt tokens looked up during the run
+    hits: float
+    hit_rate: float | None  # None: no lookups during the run
+
+
+def parse_prefix_counters(url: str, text: str) -> list[PrefixCounters]:
+    """The prefix-cache counters of one exposition, per ``engine`` label, summed over models."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise ScrapeError(f"{url}: not Prometheus text format: {exc}") from exc
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: {QUERIES: 0.0, HITS: 0.0})
+    seen = False
+    for family in families:
+        for sample in family.samples:
+            if sample.name in (QUERIES, HITS) and not math.isnan(sample.value):
+                sums[sample.labels.get("engine", "")][sample.name] += sample.value
+                seen = True
+    if not seen:
+        raise ScrapeError(f"{url} exports no {QUERIES}")
+    return [PrefixCounters(url, engine, v[QUERIES], v[HITS]) for engine, v in sorted(sums.items())]
+
+
+async def scrape_prefix_counters(client: httpx.AsyncClient, urls: list[str],
+                                 api_key: str | None) -> list[PrefixCounters]:
+    """Every replica's counters now; ``urls`` are base URLs or full ``/metrics`` URLs."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    counters: list[PrefixCounters] = []
+    for base in urls:
+        url = metrics_url(base)
+        try:
+            response = await client.get(url, headers=headers)
+        except httpx.HTTPError as exc:
+            raise ScrapeError(f"cannot reach {url}: {exc}") from exc
+        if response.status_code in (401, 403):
+            raise ScrapeError(f"{url} answered {response.status_code}: pass a key allowed to read /metrics "
+                              "(--metrics-api-key; tokenline's default: an admin key)")
+        if response.status_code != 200:
+            raise ScrapeError(f"{url} answered {response.status_code}")
+        counters += parse_prefix_counters(url, response.text)
+    return counters
+
+
+def hit_rates(before: list[PrefixCounters], after: list[PrefixCounters]) -> tuple[float | None, list[ReplicaHitRate]]:
+    """The fleet-wide rate (sum of hits / sum of queries) and each replica's, over the increases
+    from ``before`` to ``after``. A replica missing before (a new engine label) counts from zero."""
+    start = {(c.url, c.engine): c for c in before}
+    replicas = []
+    for c in after:
+        b = start.get((c.url, c.engine))
+        queries = counter_delta(b.queries if b else 0.0, c.queries) or 0.0
+        hits = counter_delta(b.hits if b else 0.0, c.hits) or 0.0
+        replicas.append(ReplicaHitRate(c.url, c.engine, queries, hits, hits / queries if queries > 0 else None))
+    total_q = sum(r.queries for r in replicas)
+    total_h = sum(r.hits for r in replicas)
+    return (total_h / total_q if total_q > 0 else None), replicas
