@@ -31,8 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
             "sim", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
-    # reported in bench serve's shape
-    "sim": {"bench.serve", "engine", "model", "router", "sampling_params"},
+    # reported in bench serve's shape; calibrate measures the machine with bench roofline's probes
+    "sim": {"bench.roofline", "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     "serve_args": {"model.model_store"},  # cli's table of vLLM serve flags

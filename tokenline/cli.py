@@ -24,6 +24,8 @@ from tokenline.serve_args import (
 
 if TYPE_CHECKING:
     from tokenline.api.app import ServerSettings
+    from tokenline.sim.replicas import FleetConfig
+    from tokenline.router.ray_serve import RayServeSettings
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +100,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(settings)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    """``tokenline router``: serve's API process (gateway, text work) over remote upstreams."""
+    import logging
+
+    from tokenline.api.app import serve
+
+    try:
+        settings, idle = router_settings_from_args(args)
+    except ValueError as exc:
+        print(f"tokenline router: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call and health check
+    quiet_request_logs(args)
+    if idle:
+        logging.getLogger("tokenline.serve").warning(no_effect_warning(idle))
+    return serve(settings)
+
+
+def router_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, list[str]]:
+    """``router``'s flags as serve's settings: what the router lacks (engine flags) takes serve's
+    defaults, so one mapping (``serve_settings_from_args``) serves both."""
+    from tokenline.router.data_parallel import build_policy
+    from tokenline.router.remote_fleet import default_router_policy, parse_upstreams
+
+    if (args.data_parallel_size or 1) > 1:
+        raise ValueError("--data-parallel-size is serve's; a router's replicas are its --upstream servers")
+    if args.unhealthy_after < 1:
+        raise ValueError(f"--unhealthy-after must be at least 1, got {args.unhealthy_after}")
+    specs = parse_upstreams(args.upstream)
+    build_policy(args.routing_policy or default_router_policy(specs))  # an unknown name fails here
+    for name, value in vars(build_parser().parse_args(["serve"])).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    settings, idle = serve_settings_from_args(args)
+    settings.upstreams = list(args.upstream)
+    settings.upstream_api_key = args.upstream_api_key
+    settings.health_interval = args.health_interval
+    settings.unhealthy_after = args.unhealthy_after
+    return settings, idle
+
+
 def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, list[str]]:
     """The server's settings from ``serve``'s flags, and the accepted flags that have no effect
     here. Raises ``ValueError`` (one-line message) for a value tokenline cannot honour."""
@@ -147,14 +191,59 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections or None,
     )
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
+    settings.engine.num_kv_blocks = args.num_kv_blocks
+    if args.simulate:
+        from tokenline.sim.profile import Profile
+        from tokenline.sim.replica import SimulatedReplica
+
+        settings.engine.core_factory = SimulatedReplica(Profile.read(args.simulate), args.simulate_speed)
     if settings.threads_per_engine is not None and settings.threads_per_engine < 1:
         raise ValueError(f"--threads-per-engine must be at least 1, got {settings.threads_per_engine}")
     if settings.data_parallel_size > 1:
         from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy
 
         build_policy(settings.routing_policy or DEFAULT_DATA_PARALLEL_POLICY)  # an unknown name fails here
+    if args.ray:
+        settings.ray = ray_settings_from_args(args)
+    elif args.num_replicas != 1 or args.ray_address or args.max_replicas is not None or args.min_replicas is not None:
+        raise ValueError("--num-replicas, --ray-address, --min-replicas and --max-replicas need --ray")
     door_policy(settings)  # contradictory access flags (e.g. --metrics-auth admin without keys) fail here
     return settings, idle
+
+
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    """``serve --ray``: the engines as Ray Serve replicas (tokenline/router/ray_serve.py)."""
+    parser.add_argument("--ray", action="store_true",
+                        help="run the engines as Ray Serve replicas (pip install 'tokenline[ray]'); this process "
+                             "keeps the HTTP API and the gateway, Ray Serve's router applies --routing-policy")
+    parser.add_argument("--num-replicas", type=int, default=1, help="with --ray: engine replicas")
+    parser.add_argument("--ray-address", default=None,
+                        help="with --ray: an existing cluster (auto, host:port, ray://host:port); default: start a "
+                             "local one")
+    parser.add_argument("--min-replicas", type=int, default=None, help="with --ray --max-replicas: autoscaling floor")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="with --ray: autoscale up to this many replicas on ongoing requests")
+    parser.add_argument("--target-ongoing-requests", type=float, default=None,
+                        help="with --ray --max-replicas: ongoing requests per replica the autoscaler aims for")
+
+
+def ray_settings_from_args(args: argparse.Namespace) -> RayServeSettings:
+    """``--ray``'s settings; ``ValueError`` for a combination Ray Serve cannot run."""
+    if (args.data_parallel_size or 1) > 1:
+        raise ValueError("--ray and --data-parallel-size exclude each other: use --num-replicas")
+    try:
+        from tokenline.router.ray_serve import DEFAULT_RAY_POLICY, RayServeSettings, resolve_policy
+    except ImportError as exc:
+        raise ValueError(f"--ray needs Ray Serve: pip install 'tokenline[ray]' ({exc})") from None
+    policy = args.routing_policy or DEFAULT_RAY_POLICY
+    resolve_policy(policy)  # an unknown name fails here, not in Ray Serve's router
+    return RayServeSettings(
+        num_replicas=args.num_replicas, address=args.ray_address, min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+        routing_policy=policy, session_affinity=args.session_affinity, threads_per_engine=args.threads_per_engine,
+    )
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy | None:
@@ -350,7 +439,8 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tokenline.engine.engine_core import RequestRejected
     from tokenline.sim.profile import Profile, ProfileError
-    from tokenline.sim.simulate import SimConfig, simulate
+    from tokenline.sim.replicas import simulate_replicas
+    from tokenline.sim.simulate import SimConfig, sim_target, simulate
 
     try:
         profile = Profile.read(args.profile)
@@ -359,16 +449,35 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, num_prompts=args.num_prompts, input_len=args.input_len,
             output_len=args.output_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gib=args.kv_cache_memory,
-            seed=args.seed, request_overhead_s=overhead,
+            seed=args.seed, request_overhead_s=overhead, model_config=args.model_config, machine=args.machine,
+            num_kv_blocks=args.num_kv_blocks,
         )
-        report = simulate(profile, config)
+        target = sim_target(profile, config)
+        if args.replicas > 1 or args.workload != "random" or args.shared_prefix_len:
+            report = simulate_replicas(profile, config, fleet_config_from_args(args), target)
+        else:
+            report = simulate(profile, config, target)
     except (ProfileError, ValueError, RequestRejected) as e:  # RequestRejected: a workload that never fits
         print(f"tokenline simulate: {e}", file=sys.stderr)
         return 2
+    print(target.describe())
     print(report.format_table())
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2))
     return 0
+
+
+def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
+    """``simulate --replicas``'s fleet and workload flags (ValueError: a value out of range)."""
+    from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY
+    from tokenline.sim.replicas import FleetConfig
+
+    return FleetConfig(
+        replicas=args.replicas, routing_policy=args.routing_policy or DEFAULT_DATA_PARALLEL_POLICY,
+        session_affinity=args.session_affinity, workload=args.workload, shared_prefix_len=args.shared_prefix_len,
+        num_groups=args.num_groups, num_conversations=args.num_conversations, turns=args.turns,
+        system_prompt_len=args.system_prompt_len, tokenizer_dir=args.tokenizer_dir,
+    )
 
 
 def cmd_bench_roofline(args: argparse.Namespace) -> int:
@@ -431,12 +540,8 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenline", description="LLM inference server")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
-    p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file (default: SmolLM2)")
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The API process's flags (address, keys, limits, ledger, metrics, timeouts): serve and router share them."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -467,15 +572,6 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens; by default user text stays text",
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (0 = no limit)")
-    r = RestartPolicy()
-    p.add_argument("--engine-restart-max", type=int, default=r.max_restarts,
-                   help="restarts of a dead engine allowed within --engine-restart-window; one more death "
-                        "exits the server with status 3 (0 = never restart)")
-    p.add_argument("--engine-restart-window", type=float, default=r.window_s, help="seconds (crash-loop window)")
-    p.add_argument("--engine-restart-backoff", type=float, default=r.backoff_base_s,
-                   help="seconds before the first restart; doubles with each death in the window")
-    p.add_argument("--engine-restart-backoff-max", type=float, default=r.backoff_max_s,
-                   help="longest wait before a restart, in seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--metrics-auth", default=None, choices=["admin", "key", "none"],
@@ -492,12 +588,54 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections beyond which requests (probes excepted) get a 503 (0 = no cap)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenline", description="LLM inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file (default: SmolLM2)")
+    add_gateway_args(p)
+    r = RestartPolicy()
+    p.add_argument("--engine-restart-max", type=int, default=r.max_restarts,
+                   help="restarts of a dead engine allowed within --engine-restart-window; one more death "
+                        "exits the server with status 3 (0 = never restart)")
+    p.add_argument("--engine-restart-window", type=float, default=r.window_s, help="seconds (crash-loop window)")
+    p.add_argument("--engine-restart-backoff", type=float, default=r.backoff_base_s,
+                   help="seconds before the first restart; doubles with each death in the window")
+    p.add_argument("--engine-restart-backoff-max", type=float, default=r.backoff_max_s,
+                   help="longest wait before a restart, in seconds")
     p.add_argument("--threads-per-engine", type=int, default=None,
                    help="torch threads of each engine (default: the cores split between --data-parallel-size engines)")
+    p.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                   help="a simulated replica: the real scheduler and KV cache with placeholder tokens, each step "
+                        "sleeping the time this profile (tokenline bench calibrate) predicts; no model is loaded")
+    p.add_argument("--simulate-speed", type=float, default=1.0, metavar="X",
+                   help="with --simulate: run X times faster than the profile predicts")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (overrides --kv-cache-memory)")
+    add_ray_args(p)
     add_routing_args(p)
     add_engine_args(p)
     add_vllm_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = commands.add_parser("router", help="the gateway in front of remote tokenline or vLLM servers (--upstream)")
+    p.add_argument("--upstream", action="append", default=[], metavar="URL[,kv-events=tcp://H:P[,replay=tcp://H:P]]",
+                   help="an upstream server's base URL serving the same model (repeat for each); with kv-events= "
+                        "the router reads its KV events (vLLM's ZMQ format) for precise prefix affinity")
+    p.add_argument("--upstream-api-key", default=None,
+                   help="Bearer key sent to every upstream (requests, /health, /metrics)")
+    p.add_argument("--health-interval", type=_positive_seconds, default=2.0,
+                   help="seconds between health checks (and /metrics scrapes) of each upstream")
+    p.add_argument("--unhealthy-after", type=int, default=3,
+                   help="failed health checks in a row before an upstream gets no more requests "
+                        "(a refused connection takes it out at once)")
+    add_gateway_args(p)
+    add_routing_args(p)
+    add_vllm_args(p)
+    p.set_defaults(func=cmd_router)
 
     p = commands.add_parser("plan", help="memory plan: weights, KV per token, state per sequence, sequences that fit")
     p.add_argument("--model", default=None, help="model directory, .gguf file or a config.json (default: SmolLM2)")
@@ -627,10 +765,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB", help="KV cache size in GiB")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV cache (and state) memory in GiB (default: the machine's memory less the weights, "
+                        "or 2 on the calibrated machine)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, overriding the memory arithmetic")
+    p.add_argument("--model-config", default=None, metavar="CONFIG.json",
+                   help="what if: another model (an HF config.json, e.g. tokenline/sim/configs/qwen3.5-27b.json); "
+                        "step times scaled from the profile by a roofline ratio")
+    p.add_argument("--machine", default=None, metavar="NAME|PATH",
+                   help="what if: another machine: this (the calibrated one), h200, h100, a100-80gb, l4, or a JSON "
+                        "file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
     p.add_argument("--request-overhead-ms", type=float, default=None, help="override the profile's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="what if: N simulated engines on one clock behind --routing-policy; the report adds "
+                        "per-replica counts and the fleet prefix hit rate")
+    add_routing_args(p)
+    p.add_argument("--workload", default="random", choices=["random", "multiturn"],
+                   help="bench serve's: random prompts, or multi-turn chats sharing system prompts")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="random: leading tokens every prompt shares")
+    p.add_argument("--num-groups", type=int, default=4, help="multiturn: system prompts, one per group")
+    p.add_argument("--num-conversations", type=int, default=16, help="multiturn: conversations over the groups")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--system-prompt-len", type=int, default=512, help="multiturn: tokens of each system prompt")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="multiturn: tokenizer and chat template (default: the default model's)")
     p.set_defaults(func=cmd_simulate)
 
     p = commands.add_parser("usage", help="usage and cost per tenant and model, from the usage ledger")

@@ -10,7 +10,7 @@ import pytest
 from tokenline.cli import main
 from tokenline.sim.placeholder_runner import SimClock
 from tokenline.sim.profile import Profile
-from tokenline.sim.simulate import SimConfig, build_sim_core, run_closed_loop, simulate, workload_prompts
+from tokenline.sim.simulate import SimConfig, build_sim_core, run_closed_loop, sim_target, simulate, workload_prompts
 from tokenline.sim.step_model import StepModel
 
 STEP = StepModel(a=0.010, b=0.001, c=0.002, d=1e-6)
@@ -45,7 +45,7 @@ def test_batches_never_exceed_max_num_seqs_and_queued_requests_wait_for_their_fi
     p = profile()
     clock = SimClock()
     config = SimConfig(concurrency=6, num_prompts=12, input_len=32, output_len=8, max_num_seqs=2)
-    core = build_sim_core(p, config, clock)
+    core = build_sim_core(sim_target(p, config), config, clock)
     run = run_closed_loop(core, workload_prompts(config, p.vocab_size), 8, 6, 0.0, clock.wait_until)
     records = core.take_step_records()
     assert max(r.num_seqs for r in records) == 2

@@ -8,6 +8,7 @@ every prompt is computed.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -67,6 +68,17 @@ def machine_info(device: str) -> dict[str, object]:
     }
 
 
+def measure_roofline(dtype: object, bandwidth_bytes: int = 512 << 20, matmul_size: int = 1024) -> dict[str, float]:
+    """This machine's memory bandwidth and matmul peak at ``dtype``, with the threads the fit ran on:
+    the denominators of the what-ifs' roofline ratio (a few seconds; ``bench roofline`` measures longer)."""
+    from tokenline.bench.roofline import measure_bandwidth, measure_matmul_gflops
+
+    return {
+        "memory_bandwidth_gbps": measure_bandwidth(bandwidth_bytes, repeats=3).gb_per_s,
+        "matmul_gflops": measure_matmul_gflops(dtype, matmul_size, repeats=3),  # type: ignore[arg-type]
+    }
+
+
 def calibrate(
     model_dir: Path,
     dtype: str = "auto",
@@ -114,14 +126,17 @@ def calibrate(
         raise RuntimeError(f"{len(records)} step records for {len(recorder.features)} batches")
     step_model = fit_step_model(recorder.features, [r.duration for r in records])
     kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
+    machine = machine_info(device)
+    machine.update(measure_roofline(runner.dtype))
     return Profile(
         step_model=step_model,
         model=model_dir.name,
         dtype=str(runner.dtype).removeprefix("torch."),
-        machine=machine_info(device),
+        machine=machine,
         vocab_size=vocab,
         max_model_len=model_config.max_position_embeddings,
         kv_bytes_per_token=kv_bytes_per_token,
         request_overhead_s=request_overhead_s,
         num_steps=len(records),
+        model_config=json.loads((model_dir / "config.json").read_text()),
     )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tokenline.model.batch import SampledToken, ScheduledBatch
-from tokenline.sim.step_model import StepModel, batch_features
+from tokenline.sim.roofline_scaling import StepTimeModel
+from tokenline.sim.step_model import batch_features
 
 
 class SimClock:
@@ -26,13 +27,17 @@ class PlaceholderRunner:
     """Samples ``(last token + 1) % vocab`` for each sampling sequence (accepting any drafts) and
     moves ``clock`` on by what ``step_model`` predicts for the batch."""
 
-    def __init__(self, clock: SimClock, step_model: StepModel, vocab_size: int) -> None:
+    def __init__(self, clock: SimClock, step_model: StepTimeModel, vocab_size: int,
+                 avoid_token_ids: frozenset[int] = frozenset(), step_overhead_s: float = 0.0) -> None:
         self.clock = clock
         self.step_model = step_model
         self.vocab_size = vocab_size
+        # Never sampled (a served replica's special tokens and EOS): its text stays ordinary text.
+        self.avoid_token_ids = avoid_token_ids
+        self.step_overhead_s = step_overhead_s  # a server's host time per step (the profile's)
 
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
-        self.clock.advance(self.step_model.predict(batch_features(batch)))
+        self.clock.advance(self.step_model.predict(batch_features(batch)) + self.step_overhead_s)
         out = {}
         for seq in batch.seqs:
             if not seq.sample:
@@ -45,6 +50,6 @@ class PlaceholderRunner:
 
     def _next(self, token: int, banned: object) -> int:
         token = (token + 1) % self.vocab_size
-        while token in banned:  # type: ignore[operator]
+        while token in banned or token in self.avoid_token_ids:  # type: ignore[operator]
             token = (token + 1) % self.vocab_size
         return token

@@ -28,6 +28,10 @@ class Profile:
     # Per request, outside the engine (HTTP, tokenize, detokenize, streaming): added to TTFT and E2E.
     request_overhead_s: float = 0.0
     num_steps: int = 0  # steps the fit used
+    # Per step, in a server beside the engine's own step (sending outputs, the API process's share of
+    # the cores): added to every simulated step.
+    step_overhead_s: float = 0.0
+    model_config: dict[str, Any] | None = None  # the calibrated model's config.json: what-ifs scale from it
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}

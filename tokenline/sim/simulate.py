@@ -21,8 +21,8 @@ from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.placeholder_runner import PlaceholderRunner, SimClock
 from tokenline.sim.profile import Profile
+from tokenline.sim.sim_target import SimTarget, WhatIf, resolve_target
 
-GIB = 1 << 30
 
 
 @dataclass
@@ -33,18 +33,21 @@ class SimConfig:
     output_len: int = 64
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    kv_cache_memory_gib: float = 2.0
+    kv_cache_memory_gib: float | None = None  # None: the machine's memory less the weights, or 2 GiB here
     block_size: int = 16
     seed: int = 0
     request_overhead_s: float | None = None  # None: the profile's
+    # What-ifs: another model (an HF config.json) and/or machine ("this", a shipped name, a JSON file).
+    model_config: str | None = None
+    machine: str | None = None
+    num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.concurrency, self.num_prompts, self.input_len, self.output_len) < 1:
             raise ValueError("concurrency, num_prompts, input_len and output_len must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.kv_cache_memory_gib <= 0:
-            raise ValueError("kv_cache_memory_gib must be > 0")
+        self.what_if = WhatIf(self.model_config, self.machine, self.kv_cache_memory_gib, self.num_kv_blocks)
         if self.request_overhead_s is not None and self.request_overhead_s < 0:
             raise ValueError("request_overhead must be >= 0")
 
@@ -119,17 +122,20 @@ def run_closed_loop(
     return ClosedLoopRun(results, clock() - start, max_in_flight)
 
 
-def build_sim_core(profile: Profile, config: SimConfig, clock: SimClock) -> EngineCore:
-    """An EngineCore with the real scheduler and KV books, a pool sized like the real engine's for
-    ``kv_cache_memory_gib``, and the placeholder runner."""
-    num_blocks = int(config.kv_cache_memory_gib * GIB) // (profile.kv_bytes_per_token * config.block_size)
-    kv_cache = KVCacheManager(num_blocks, config.block_size, True, 0, False)
+def sim_target(profile: Profile, config: SimConfig) -> SimTarget:
+    return resolve_target(profile, config.what_if, config.max_num_seqs, config.block_size)
+
+
+def build_sim_core(target: SimTarget, config: SimConfig, clock: SimClock, kv_events: bool = False) -> EngineCore:
+    """An EngineCore with the real scheduler and KV books, a pool of the target's blocks (and state
+    slots, for a hybrid model), and the placeholder runner. A fleet would build one per replica."""
+    kv_cache = KVCacheManager(target.num_kv_blocks, config.block_size, True, target.num_state_slots, kv_events)
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=profile.max_model_len,
+        max_model_len=target.max_model_len,
     )
-    runner = PlaceholderRunner(clock, profile.step_model, profile.vocab_size)
+    runner = PlaceholderRunner(clock, target.step_model, target.vocab_size, step_overhead_s=target.step_overhead_s)
     return EngineCore(runner, kv_cache, scheduler_config, clock=clock)
 
 
@@ -167,11 +173,12 @@ def workload_prompts(config: SimConfig, vocab_size: int) -> list[list[int]]:
     return make_prompts(config.num_prompts, config.input_len, range(vocab_size), config.seed)
 
 
-def simulate(profile: Profile, config: SimConfig) -> BenchServeReport:
+def simulate(profile: Profile, config: SimConfig, target: SimTarget | None = None) -> BenchServeReport:
     """Run the workload on simulated time and report it as ``bench serve`` would."""
+    target = target or sim_target(profile, config)
     clock = SimClock()
-    core = build_sim_core(profile, config, clock)
+    core = build_sim_core(target, config, clock)
     overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
-    prompts = workload_prompts(config, profile.vocab_size)
+    prompts = workload_prompts(config, target.vocab_size)
     run = run_closed_loop(core, prompts, config.output_len, config.concurrency, overhead, clock.wait_until)
-    return report(run, config, profile.model, "simulated")
+    return report(run, config, target.model, "simulated")
