@@ -273,6 +273,18 @@ def test_precise_kv_reads_our_own_block_pool_events() -> None:
     assert policy.choose(RouteRequest("q", token_ids=tokens), replicas(0, 0)) == RouteDecision("r1", "prefix", 1 * B)
 
 
+def test_precise_kv_spreads_new_prefixes_over_idle_replicas() -> None:
+    policy = PreciseKV()
+    homes = []
+    for g in range(3):
+        tokens = prompt(g, 4)
+        decision = policy.choose(RouteRequest(f"q{g}", token_ids=tokens), replicas(0, 0, 0))
+        assert decision.reason == "no_prefix"
+        homes.append(decision.replica)
+        policy.on_kv_events(decision.replica, [stored(tokens, None, [10 * g + i for i in range(4)])])
+    assert homes == ["r0", "r1", "r2"]
+
+
 def test_precise_kv_groups_and_typical_blocks() -> None:
     # Each group's prefix stored on one replica: every group member follows it.
     policy = PreciseKV()

@@ -303,7 +303,8 @@ class PreciseKV(RoutingPolicy):
     None/"GPU"): a plain prompt can never hit them there.
 
     ``cost = overlap_weight × (prompt blocks not cached there) + load × typical_blocks``, lowest
-    wins; ties go to the longer hit (less work either way), then the lower load, then the name.
+    wins; ties go to the longer hit (less work either way), then the lower load, then the fewest
+    cached blocks (so new prefixes spread over idle replicas instead of piling on the first name).
     ``typical_blocks`` (default: this prompt's blocks) is what one queued request costs in blocks,
     so with weight 1 a full prefix hit is worth exactly one request of queue. Reasons: "prefix" (a hit where it went), "least_load" (a hit elsewhere
     lost to load), "no_prefix" (no replica holds any of the prompt).
@@ -337,7 +338,7 @@ class PreciseKV(RoutingPolicy):
             typical = self.typical_blocks if self.typical_blocks is not None else max(1, prompt_blocks[r.name])
             return self.overlap_weight * (prompt_blocks[r.name] - matched[r.name]) + load(r) * typical
 
-        best = min(replicas, key=lambda r: (cost(r), -matched[r.name], load(r), r.name))
+        best = min(replicas, key=lambda r: (cost(r), -matched[r.name], load(r), self.cached_blocks(r.name), r.name))
         hit = matched[best.name]
         if hit:
             reason = "prefix"
