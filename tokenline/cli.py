@@ -439,7 +439,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tokenline.engine.engine_core import RequestRejected
     from tokenline.sim.profile import Profile, ProfileError
-    from tokenline.sim.replicas import simulate_replicas
+    from tokenline.sim.replicas import format_replicas, simulate_replicas
     from tokenline.sim.simulate import SimConfig, sim_target, simulate
 
     try:
@@ -453,7 +453,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks,
         )
         target = sim_target(profile, config)
-        if args.replicas > 1 or args.workload != "random" or args.shared_prefix_len:
+        if args.replicas != 1 or args.workload != "random" or args.shared_prefix_len:
             report = simulate_replicas(profile, config, fleet_config_from_args(args), target)
         else:
             report = simulate(profile, config, target)
@@ -462,6 +462,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 2
     print(target.describe())
     print(report.format_table())
+    if args.replicas > 1:
+        print(format_replicas(report))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2))
     return 0

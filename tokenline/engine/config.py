@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tokenline.engine.ngram_proposer import check_ngram_settings
@@ -49,6 +50,10 @@ class EngineConfig:
     data_parallel_rank: int = 0  # which engine of a data-parallel server (KV events carry it)
     seed: int | None = None  # vLLM's --seed: seeds the RNG of requests that bring no seed of their own
     tokenizer: str | None = None  # vLLM's --tokenizer: a directory whose tokenizer.json replaces the model's
+    # Builds the engine core instead of loading the model: a picklable callable (it travels to the
+    # spawned engine process) taking (config, model_dir, vocab_size), e.g. tokenline.sim's
+    # simulated replica (serve --simulate). None: the model.
+    core_factory: Callable[[EngineConfig, Path, int | None], EngineCore] | None = None
 
     @property
     def kv_cache_events(self) -> bool:
@@ -124,6 +129,9 @@ def data_parallel_configs(config: EngineConfig, size: int, threads_per_engine: i
 
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:
     """Load the model, size the KV pool from the memory budget and wire scheduler and runner."""
+    if config.core_factory is not None:
+        config.validate()
+        return config.core_factory(config, model_dir, vocab_size)
     # Imported here so that the API process, which only needs EngineConfig, never loads torch.
     from tokenline.engine.engine_core import EngineCore
     from tokenline.engine.kv_cache_manager import KVCacheManager

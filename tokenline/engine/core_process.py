@@ -42,7 +42,7 @@ def run_engine_process(
 ) -> None:
     """Entry point of the engine process (started with the ``spawn`` method)."""
     publisher = None
-    if config.num_threads:
+    if config.num_threads and config.core_factory is None:  # a simulated engine has no torch to size
         import torch  # the engine process owns torch; threads are set before any op runs
 
         torch.set_num_threads(config.num_threads)

@@ -7,11 +7,11 @@ import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-import torch
-
 from tokenline.engine.messages import EngineRequest, FinishReason, RequestTimings
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenline.model.grammar import CompiledGrammar, GrammarState
 
 
@@ -52,6 +52,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         self.generator: torch.Generator | None = None
         if self.sampling.seed is not None:
+            # Imported here: the scheduler and KV books run without torch in a simulated engine.
+            import torch
+
             # Each seeded request owns its RNG so its tokens do not depend on the rest of the batch.
             self.generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
         self.num_outputs_sent = 0  # output tokens already reported to the frontend
