@@ -35,8 +35,15 @@ def _cached_pairs(server: Server) -> list[tuple[int, int]]:
 
 
 def _engine_pids(server: Server) -> list[int]:
-    return [c.pid for c in psutil.Process(server.process.pid).children() if "python" in c.name().lower()
-            and c.status() != psutil.STATUS_ZOMBIE]
+    """The engine processes: children started by multiprocessing's spawn (not its resource tracker)."""
+    pids = []
+    for child in psutil.Process(server.process.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 @pytest.fixture(scope="module")
