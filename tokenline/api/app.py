@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -63,6 +63,9 @@ from tokenline.gateway.rate_limit import make_rate_limiter
 from tokenline.gateway.response_store import ResponseStore
 from tokenline.model.config import ModelConfig, load_generation_config
 from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
+
+if TYPE_CHECKING:
+    from tokenline.router.ray_serve import RayServeSettings
 
 logger = logging.getLogger("tokenline.api")
 
@@ -112,6 +115,14 @@ class ServerSettings:
     threads_per_engine: int | None = None
     routing_policy: str | None = None  # default: kv_events (tokenline/router/policies.py)
     session_affinity: bool = False  # requests with the same `user` stay on one engine
+    # `tokenline router`: remote servers (tokenline or vLLM, --upstream values) instead of local
+    # engines; this process keeps the gateway and the text work and speaks token ids to them.
+    upstreams: list[str] = field(default_factory=list)
+    upstream_api_key: str | None = None
+    health_interval: float = 2.0  # seconds between an upstream's health checks (and /metrics scrapes)
+    unhealthy_after: int = 3  # failed checks in a row before an upstream is out (a refused connection: 1)
+    # --ray: engine replicas on Ray Serve, routed by the policy in Ray Serve's router (router/ray_serve.py).
+    ray: RayServeSettings | None = None
     # A dead engine is restarted with backoff; more deaths than this within the window exit the server.
     engine_restart: RestartPolicy | None = field(default_factory=RestartPolicy)
 
@@ -166,7 +177,17 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         tokenizer.set_chat_template(settings.chat_template)
     model_names = served_model_names(settings)
     served_model_name = model_names[0]
-    if client is None and settings.data_parallel_size > 1:
+    if client is None and settings.upstreams:
+        from tokenline.router.remote_fleet import remote_fleet
+
+        client = remote_fleet(settings.upstreams, settings.routing_policy, settings.session_affinity,
+                              api_key=settings.upstream_api_key, health_interval=settings.health_interval,
+                              unhealthy_after=settings.unhealthy_after, seed=settings.engine.seed)
+    elif client is None and settings.ray is not None:
+        from tokenline.router.ray_serve import RayEngineClient  # imports ray: only when asked
+
+        client = RayEngineClient(settings.ray, settings.engine, model_dir, tokenizer.vocab_size)
+    elif client is None and settings.data_parallel_size > 1:
         policy_name = settings.routing_policy or DEFAULT_DATA_PARALLEL_POLICY
         client = local_fleet(
             settings.engine, model_dir, tokenizer.vocab_size, settings.data_parallel_size,

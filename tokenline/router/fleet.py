@@ -197,6 +197,10 @@ class FleetClient(EngineClient):
         self.counters[name].ejections += 1
         logger.warning("replica %s ejected for %.1f s", name, self.eject_s if seconds is None else seconds)
 
+    def member_healthy(self, name: str) -> bool:
+        """``name`` may take new requests now (ready, alive, not ejected): /metrics' upstream_healthy."""
+        return name in self.available()
+
     def _route(self, route: RouteRequest, exclude: set[str], retry: bool) -> RouteDecision:
         names = self.available(exclude)
         if not names:
@@ -318,14 +322,18 @@ class FleetClient(EngineClient):
                 logger.exception("step listener failed")
 
     def _sum_stats(self) -> EngineStats:
-        total = EngineStats()
-        numeric = [f.name for f in dataclasses.fields(EngineStats) if f.name != "kv_cache_usage"]
-        members = [m.stats for m in self.members.values()]
-        for stats in members:
-            for field_name in numeric:
-                setattr(total, field_name, getattr(total, field_name) + getattr(stats, field_name))
-        if total.num_kv_blocks:
-            total.kv_cache_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
-        else:
-            total.kv_cache_usage = sum(s.kv_cache_usage for s in members) / max(1, len(members))
-        return total
+        return sum_stats([m.stats for m in self.members.values()])
+
+
+def sum_stats(members: list[EngineStats]) -> EngineStats:
+    """Many engines' load as one: counts added, KV usage over the summed pool (the fleet's view)."""
+    total = EngineStats()
+    numeric = [f.name for f in dataclasses.fields(EngineStats) if f.name != "kv_cache_usage"]
+    for stats in members:
+        for field_name in numeric:
+            setattr(total, field_name, getattr(total, field_name) + getattr(stats, field_name))
+    if total.num_kv_blocks:
+        total.kv_cache_usage = 1.0 - total.num_free_kv_blocks / total.num_kv_blocks
+    else:
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in members) / max(1, len(members))
+    return total
