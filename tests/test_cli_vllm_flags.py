@@ -56,14 +56,14 @@ def test_inline_chat_template_with_escaped_newlines(default_model_dir: Path) -> 
 
 def test_flags_without_effect_are_all_named_in_one_warning(default_model_dir: Path) -> None:
     _, idle = settings(
-        default_model_dir, "--gpu-memory-utilization", "0.9", "--tensor-parallel-size", "1", "-dp", "1",
+        default_model_dir, "--gpu-memory-utilization", "0.9", "--tensor-parallel-size", "1",
         "--enforce-eager", "--swap-space", "4", "--trust-remote-code", "--download-dir", "/tmp/x",
         "--disable-log-stats", "--max-logprobs", "5", "--distributed-executor-backend", "mp",
         "--no-enable-chunked-prefill", "--cpu-offload-gb", "0", "--disable-log-requests",
     )
     line = no_effect_warning(idle)
     assert line is not None and "\n" not in line
-    for flag in ("--gpu-memory-utilization 0.9", "--tensor-parallel-size 1", "--data-parallel-size 1",
+    for flag in ("--gpu-memory-utilization 0.9", "--tensor-parallel-size 1",
                  "--enforce-eager", "--swap-space 4.0", "--trust-remote-code", "--download-dir /tmp/x",
                  "--disable-log-stats", "--max-logprobs 5", "--distributed-executor-backend mp",
                  "--enable-chunked-prefill", "--cpu-offload-gb 0.0"):
@@ -79,7 +79,8 @@ def test_every_table_flag_has_a_status_and_an_explanation() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size: tokenline runs one engine on one device"),
     (["-pp", "4"], "--pipeline-parallel-size: tokenline runs one engine on one device"),
-    (["--data-parallel-size", "2"], "--data-parallel-size: tokenline runs one engine per server"),
+    (["--data-parallel-size", "0"], "--data-parallel-size: must be at least 1"),
+    (["-dp", "2", "--routing-policy", "fastest"], "fastest"),
     (["--quantization", "awq"], "--quantization: quantization 'awq' is not supported"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: kv cache dtype 'fp8' is not supported"),
     (["--max-logprobs", "50"], "--max-logprobs: at most 20 logprobs"),
