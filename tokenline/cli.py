@@ -418,7 +418,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from tokenline.model.model_store import resolve_model
     from tokenline.sim.calibrate import calibrate
 
-    if args.request_overhead_ms < 0:
+    if args.request_overhead_ms is not None and args.request_overhead_ms < 0:
         print("tokenline bench calibrate: --request-overhead-ms must be >= 0", file=sys.stderr)
         return 2
     try:
@@ -426,11 +426,15 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"tokenline bench calibrate: {e}", file=sys.stderr)
         return 2
-    profile = calibrate(model_dir, args.dtype, request_overhead_s=args.request_overhead_ms / 1000)
+    overhead = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
+    profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run)
     m = profile.step_model
     print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token + {m.c * 1e3:.3f} ms/decode seq "
           f"+ {m.d * 1e6:.4f} us/attended context token  (fit rms {m.residual_rms_s * 1e3:.2f} ms over "
           f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
+    if profile.server_steps:
+        print(f"in a server: step x {profile.step_scale:.3f} + {profile.step_overhead_s * 1e3:.2f} ms "
+              f"(over {profile.server_steps} steps), {profile.request_overhead_s * 1e3:.1f} ms per request")
     profile.write(args.output)
     print(f"profile written to {args.output}")
     return 0
@@ -754,8 +758,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--output", default="profile.json", metavar="PROFILE.json")
-    p.add_argument("--request-overhead-ms", type=float, default=0.0,
-                   help="per-request time outside the engine (HTTP, tokenize, detokenize) to store in the profile")
+    p.add_argument("--request-overhead-ms", type=float, default=None,
+                   help="per-request time outside the engine (HTTP, tokenize, detokenize) to store in the profile "
+                        "(default: measured by the server run, else 0)")
+    p.add_argument("--no-server-run", dest="server_run", action="store_false",
+                   help="skip the short real-server run that fits the per-step and per-request server overheads")
     p.set_defaults(func=cmd_bench_calibrate)
 
     p = commands.add_parser("simulate", help="the real scheduler and KV cache on a simulated clock, from a "

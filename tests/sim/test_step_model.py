@@ -24,6 +24,23 @@ def test_fit_recovers_known_coefficients_from_noisy_synthetic_steps() -> None:
     assert 0.5e-4 < fit.residual_rms_s < 2e-4
 
 
+def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_negative() -> None:
+    truth = StepModel(a=0.04, b=0.003, c=0.012, d=7e-6)
+    rng = random.Random(1)
+    features = [StepFeatures(rng.choice([0, 0, 32, 128, 384]), rng.randint(0, 8), rng.randint(30, 2500))
+                for _ in range(70)]
+    # one step in five ran 1.5-4x slower: a shared machine
+    durations = [truth.predict(f) * (1 + (rng.random() < 0.2) * rng.uniform(0.5, 3)) + rng.gauss(0, 0.002)
+                 for f in features]
+    fit = fit_step_model(features, durations)
+    assert fit.a == pytest.approx(0.04, rel=0.1) and fit.b == pytest.approx(0.003, rel=0.05)
+    assert fit.c == pytest.approx(0.012, rel=0.1) and fit.residual_rms_s < 0.004
+    # decode sequences that cost nothing measurable: c is 0, not a negative speed-up
+    flat = [StepFeatures(p, s, 0) for p, s in [(0, 1), (64, 0), (0, 8), (128, 4), (16, 2), (0, 3)]]
+    fit = fit_step_model(flat, [0.01 + 0.002 * f.prefill_tokens - 1e-4 * f.decode_seqs for f in flat])
+    assert fit.c == 0.0 and min(fit.a, fit.b, fit.d) >= 0.0
+
+
 def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
     truth = StepModel(a=0.01, b=0.002, c=0.003, d=1e-5)
     features = [StepFeatures(p, s, c) for p, s, c in [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50)]]

@@ -118,6 +118,7 @@ class StepRecord:
     num_state_slots: int = 0
     num_preemptions: int = 0  # requests preempted while forming this step's batch
     num_draft_tokens: int = 0  # of the decode tokens, speculative drafts being verified
+    num_context_tokens: int = 0  # per sequence, every position its new tokens attend to (the KV read)
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from tokenline.model.batch import SampledToken, ScheduledBatch
 from tokenline.model.config import ModelConfig
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.profile import Profile
+from tokenline.sim.server_fit import measure_server
 from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_model
 
 
@@ -84,11 +85,14 @@ def calibrate(
     dtype: str = "auto",
     device: str = "cpu",
     design: CalibrationDesign | None = None,
-    request_overhead_s: float = 0.0,
+    request_overhead_s: float | None = None,
     threads: int | None = None,
+    server_run: bool = False,
 ) -> Profile:
     """Fit a step-time profile of ``model_dir`` on this machine (with ``threads`` torch threads,
-    as the server would be started with; None: torch's default)."""
+    as the server would be started with; None: torch's default). ``server_run``: also fit what a
+    real server adds per step and per request (``server_fit``); ``request_overhead_s`` (when not
+    None) overrides the measured per-request figure (0 without a server run)."""
     import torch
 
     design = design or CalibrationDesign()
@@ -128,15 +132,24 @@ def calibrate(
     kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
     machine = machine_info(device)
     machine.update(measure_roofline(runner.dtype))
+    dtype_name = str(runner.dtype).removeprefix("torch.")
+    fit = None
+    if server_run:
+        del core, runner, recorder  # the server loads its own copy of the model
+        fit = measure_server(model_dir, dtype_name, torch.get_num_threads(), step_model)
     return Profile(
         step_model=step_model,
         model=model_dir.name,
-        dtype=str(runner.dtype).removeprefix("torch."),
+        dtype=dtype_name,
         machine=machine,
         vocab_size=vocab,
         max_model_len=model_config.max_position_embeddings,
         kv_bytes_per_token=kv_bytes_per_token,
-        request_overhead_s=request_overhead_s,
+        request_overhead_s=request_overhead_s if request_overhead_s is not None else
+        (fit.request_overhead_s if fit else 0.0),
         num_steps=len(records),
+        step_overhead_s=fit.step_overhead_s if fit else 0.0,
+        step_scale=fit.step_scale if fit else 1.0,
+        server_steps=fit.num_steps if fit else 0,
         model_config=json.loads((model_dir / "config.json").read_text()),
     )

@@ -31,6 +31,8 @@ class Profile:
     # Per step, in a server beside the engine's own step (sending outputs, the API process's share of
     # the cores): added to every simulated step.
     step_overhead_s: float = 0.0
+    step_scale: float = 1.0  # how much slower the engine's steps run inside a server on this machine
+    server_steps: int = 0  # server steps that fit and step_overhead_s used (0: no server run)
     model_config: dict[str, Any] | None = None  # the calibrated model's config.json: what-ifs scale from it
 
     def to_json(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from tokenline.model.config import ModelConfig
 from tokenline.sim.machine import DTYPE_SIZES, Machine, MachineError, load_machine, this_machine
 from tokenline.sim.profile import Profile
 from tokenline.sim.roofline_scaling import ModelCost, ScaledStepModel, StepTimeModel, model_cost
+from tokenline.sim.step_model import StepModel
 
 GIB = 1 << 30
 DEFAULT_KV_CACHE_GIB = 2.0  # the calibrated machine's pool when nothing says otherwise
@@ -79,10 +80,12 @@ def _num_blocks(budget_bytes: int, kv_bytes_per_token: int, block_size: int) -> 
 def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_size: int) -> SimTarget:
     """The profile's engine, or another model and/or machine scaled from it (``roofline_scaling``)."""
     overhead = profile.step_overhead_s
+    # Inside a server here the engine shares the cores with the API process: its steps run slower.
+    served = scaled_step_model(profile.step_model, profile.step_scale)
     if what_if.model_config is None and what_if.machine in (None, "this"):
         budget = int((what_if.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB) * GIB)
         blocks = what_if.num_kv_blocks or _num_blocks(budget, profile.kv_bytes_per_token, block_size)
-        return SimTarget(profile.step_model, overhead, profile.model, profile.vocab_size, profile.max_model_len,
+        return SimTarget(served, overhead, profile.model, profile.vocab_size, profile.max_model_len,
                          profile.kv_bytes_per_token, blocks, 0, "this")
 
     source_machine = this_machine(profile.machine, profile.dtype)
@@ -96,7 +99,10 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     target_config = read_model_config(what_if.model_config) if what_if.model_config else source_config
     source = model_cost(source_config, DTYPE_SIZES[profile.dtype])
     target = model_cost(target_config, target_machine.dtype_size)
-    step_model = ScaledStepModel(profile.step_model, source, source_machine, target, target_machine)
+    # Another machine's engine has its accelerator to itself: the calibrated engine's own step times
+    # scale there; this machine's server slowdown (step_scale) applies only here.
+    base = served if target_machine is source_machine else profile.step_model
+    step_model = ScaledStepModel(base, source, source_machine, target, target_machine)
     if target_machine.step_overhead_ms is not None:
         overhead = target_machine.step_overhead_ms / 1000
 
@@ -111,6 +117,13 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     name = profile.model if not what_if.model_config else _config_name(Path(what_if.model_config).expanduser())
     return SimTarget(step_model, overhead, name, target_config.vocab_size, target_config.max_position_embeddings,
                      target.kv_bytes_per_token, blocks, slots, target_machine.name, target.weight_bytes)
+
+
+def scaled_step_model(model: StepModel, scale: float) -> StepModel:
+    """Every coefficient times ``scale`` (the model is linear)."""
+    if scale == 1.0:
+        return model
+    return StepModel(model.a * scale, model.b * scale, model.c * scale, model.d * scale, model.residual_rms_s)
 
 
 def _config_name(path: Path) -> str:

@@ -52,14 +52,46 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float]) -> StepModel:
-    """Least-squares fit of the four coefficients to measured step times."""
+    """Least-squares fit of the four coefficients to measured step times, robust to a shared machine:
+    no coefficient below zero (no feature makes a step faster), and steps more than 3 scaled MADs off
+    the fit (another process took the core) are left out and the rest refitted. ``residual_rms_s`` is
+    over the steps kept."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
     if len(features) < 4:
         raise ValueError(f"need at least 4 steps to fit 4 coefficients, got {len(features)}")
     x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, f.attended_context_tokens] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    residual = float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+    coef, keep = robust_lstsq(x, y)
+    rms = float(np.sqrt(np.mean((x[keep] @ coef - y[keep]) ** 2)))
     a, b, c, d = (float(v) for v in coef)
-    return StepModel(a, b, c, d, residual)
+    return StepModel(a, b, c, d, rms)
+
+
+def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative least squares that leaves out rows more than 3 scaled MADs off the fit and refits
+    (a few rounds). Returns the coefficients and which rows were kept."""
+    keep = np.ones(len(y), dtype=bool)
+    coef = _nonnegative_lstsq(x, y)
+    for _ in range(5):
+        residual = y - x @ coef
+        spread = 1.4826 * float(np.median(np.abs(residual[keep] - np.median(residual[keep]))))
+        new_keep = np.abs(residual) <= max(3 * spread, 1e-9)
+        if new_keep.sum() < x.shape[1] or (new_keep == keep).all():
+            break
+        keep = new_keep
+        coef = _nonnegative_lstsq(x[keep], y[keep])
+    return coef, keep
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: drop the most negative column and refit until none is."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sub, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sub >= 0).all():
+            coef[active] = sub
+            return coef
+        del active[int(np.argmin(sub))]
+    return coef

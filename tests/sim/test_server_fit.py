@@ -1,0 +1,56 @@
+"""What a server adds to the offline step model: the fit on server step records, and the simulator
+applying it. (The real server run itself is `bench calibrate`'s; test_calibrate_real runs it.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenline.sim.profile import Profile
+from tokenline.sim.server_fit import busy_steps, fit_scale_and_overhead, record_features
+from tokenline.sim.simulate import SimConfig, simulate
+from tokenline.sim.step_model import StepFeatures, StepModel
+
+MODEL = StepModel(a=0.040, b=0.003, c=0.012, d=7e-6)
+
+
+def record(step: int, start: float, duration: float, prefill: int = 0, decode: int = 1, context: int = 100,
+           drafts: int = 0) -> dict:
+    return {"step": step, "start": start, "duration": duration, "num_prefill_tokens": prefill,
+            "num_decode_tokens": decode, "num_draft_tokens": drafts, "num_context_tokens": context}
+
+
+def test_busy_steps_keep_back_to_back_steps_only() -> None:
+    records = [record(0, 0.0, 0.10, prefill=64, decode=0), record(1, 0.102, 0.05), record(2, 0.155, 0.05),
+               record(3, 1.0, 0.05),  # the engine sat idle before this one: step 2's wall is not a step's
+               record(5, 1.06, 0.05)]  # a step missing from the stream: no wall for step 3
+    steps = busy_steps(records)
+    assert [round(w, 3) for _, w in steps] == [0.102, 0.053]
+    assert steps[0][0] == StepFeatures(64, 0, 100)
+    assert record_features(record(0, 0, 0, prefill=3, decode=5, drafts=2)) == StepFeatures(5, 3, 100)
+
+
+def test_fit_recovers_a_scale_and_an_overhead() -> None:
+    rng = random.Random(3)
+    features = [StepFeatures(rng.choice([0, 0, 0, 96, 576]), rng.randint(0, 6), rng.randint(50, 1200)) for _ in range(80)]
+    steps = [(f, 1.25 * MODEL.predict(f) + 0.004 + rng.gauss(0, 1e-4)) for f in features]
+    k, g = fit_scale_and_overhead(MODEL, steps)
+    assert k == pytest.approx(1.25, rel=0.01) and g == pytest.approx(0.004, abs=5e-4)
+    # a negative intercept is not an overhead: k alone
+    k, g = fit_scale_and_overhead(MODEL, [(f, 0.9 * MODEL.predict(f) - 0.01) for f in features])
+    assert g == 0.0 and 0.8 < k < 0.9
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_scale_and_overhead(MODEL, steps[:1])
+
+
+def test_the_simulator_runs_steps_at_the_servers_scale_and_overhead() -> None:
+    flat = StepModel(a=0.005, b=0.0, c=0.003, d=0.0)
+    base = Profile(step_model=flat, model="m", dtype="float32", machine={}, vocab_size=1000, max_model_len=4096,
+                   kv_bytes_per_token=46080, request_overhead_s=0.02)
+    served = Profile(**{**base.__dict__, "step_scale": 1.5, "step_overhead_s": 0.001})
+    config = SimConfig(num_prompts=2, input_len=16, output_len=5)
+    assert simulate(base, config).itl_ms["p50"] == pytest.approx(8.0)
+    r = simulate(served, config)
+    assert r.itl_ms["p50"] == pytest.approx(1.5 * 8.0 + 1.0)
+    assert r.ttft_ms["p50"] == pytest.approx(20.0 + 1.5 * 5.0 + 1.0)

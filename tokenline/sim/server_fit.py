@@ -1,0 +1,161 @@
+"""What a server adds to the offline engine's step times: the second half of ``bench calibrate``.
+
+A short closed-loop load (``bench serve``'s client) against a real ``tokenline serve`` started with
+the same dtype and threads, its step records read from ``GET /v1/events``. Fitted on them:
+
+    server step wall time (its duration and the gap to the next step) = k · model(f) + g
+
+k is how much slower the engine's steps run beside the API process and the load client on the same
+cores, g the per-step time outside the step (sending outputs, reading new requests). The request
+overhead is what the client waits beyond the engine at c=1: TTFT less the prefill step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tokenline.bench.serve import BenchServeConfig, BenchServeReport, run_bench_serve
+from tokenline.sim.step_model import StepFeatures, StepModel, robust_lstsq
+
+BUSY_GAP_S = 0.05  # a longer gap before the next step: the engine was idle, waiting for a request
+
+
+@dataclass(frozen=True)
+class ServerFit:
+    step_scale: float  # k
+    step_overhead_s: float  # g
+    request_overhead_s: float
+    num_steps: int
+
+
+def record_features(record: dict[str, Any]) -> StepFeatures:
+    """A step record's features in ``batch_features``' terms (drafts count as prefill there)."""
+    drafts = record.get("num_draft_tokens", 0)
+    return StepFeatures(record["num_prefill_tokens"] + drafts, record["num_decode_tokens"] - drafts,
+                        record.get("num_context_tokens", 0))
+
+
+def busy_steps(records: Sequence[dict[str, Any]]) -> list[tuple[StepFeatures, float]]:
+    """(features, wall seconds to the next step's start) of every step the next one followed at once."""
+    out = []
+    for rec, nxt in zip(records, records[1:]):
+        wall = nxt["start"] - rec["start"]
+        if nxt["step"] == rec["step"] + 1 and wall - rec["duration"] <= BUSY_GAP_S:
+            out.append((record_features(rec), wall))
+    return out
+
+
+def fit_scale_and_overhead(model: StepModel, steps: Sequence[tuple[StepFeatures, float]]) -> tuple[float, float]:
+    """wall = k · model(f) + g by ``robust_lstsq`` (k, g >= 0; steps another process slowed left out)."""
+    if len(steps) < 2:
+        raise ValueError(f"need at least 2 busy server steps to fit, got {len(steps)}")
+    pred = np.array([model.predict(f) for f, _ in steps])
+    wall = np.array([w for _, w in steps])
+    (k, g), _ = robust_lstsq(np.stack([pred, np.ones_like(pred)], axis=1), wall)
+    return float(k), float(g)
+
+
+@dataclass
+class _StepReader:
+    url: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    connected: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("GET", f"{self.url}/v1/events", timeout=30) as response:
+                kind = None
+                for line in response.iter_lines():
+                    self.connected.set()
+                    if line.startswith("event: "):
+                        kind = line[len("event: "):]
+                    elif line.startswith("data: ") and kind == "step":
+                        self.records.append(json.loads(line[len("data: "):]))
+                    if self.stop.is_set():
+                        return
+        except httpx.HTTPError:
+            self.connected.set()  # the fit reports the missing records
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_load(url: str, config: BenchServeConfig) -> tuple[BenchServeReport, list[dict[str, Any]]]:
+    reader = _StepReader(url)
+    thread = threading.Thread(target=reader.run, daemon=True)
+    thread.start()
+    reader.connected.wait(10)
+    report = asyncio.run(run_bench_serve(config))
+    time.sleep(1.2)  # the last steps' events, and a stats tick that ends the reader's wait for a line
+    reader.stop.set()
+    thread.join(5)
+    return report, reader.records
+
+
+def measure_server(model_dir: Path, dtype: str, threads: int | None, model: StepModel,
+                   startup_timeout_s: float = 180.0) -> ServerFit:
+    """Start ``tokenline serve`` on a free local port, load it at c=1 and c=6 (prompts of 96 tokens,
+    12 output tokens: workloads of their own, not the ones a simulation is checked on), fit, stop it."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "tokenline.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
+            "--port", str(port), "--kv-cache-memory", "0.5"]
+    if threads is not None:
+        argv += ["--threads-per-engine", str(threads)]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"the calibration server exited: {log.read().decode(errors='replace')[-2000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the calibration server did not start in {startup_timeout_s:.0f} s")
+                time.sleep(0.3)
+            base = BenchServeConfig(base_url=url, input_len=96, output_len=12, tokenizer_dir=str(model_dir))
+            asyncio.run(run_bench_serve(BenchServeConfig(**{**base.__dict__, "num_prompts": 2, "output_len": 2,
+                                                            "seed": 7})))  # warm-up
+            lone, lone_records = _run_load(url, BenchServeConfig(**{**base.__dict__, "num_prompts": 4, "seed": 8}))
+            _, busy_records = _run_load(url, BenchServeConfig(**{**base.__dict__, "concurrency": 6,
+                                                                 "num_prompts": 12, "seed": 9}))
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    steps = busy_steps(lone_records) + busy_steps(busy_records)
+    k, g = fit_scale_and_overhead(model, steps)
+    prefills = [r["duration"] for r in lone_records if r["num_prefill_tokens"] > 0]
+    ttft = lone.ttft_ms["p50"]
+    if not prefills or ttft is None:
+        raise RuntimeError("the calibration server's c=1 run left no prefill steps or TTFTs to fit on")
+    request_overhead = max(0.0, ttft / 1000 - median(prefills) - g)
+    return ServerFit(k, g, request_overhead, len(steps))
