@@ -13,13 +13,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import Server, free_port, start_server
+from tests.e2e.conftest import Server, free_port, start_server, stop, wait_healthy, wait_until
 from tokenline.engine.kv_events import BlockStored
 from tokenline.engine.kv_events_zmq import KVEventSubscriber
 from tokenline.sim.profile import Profile
@@ -58,6 +59,23 @@ def replica(tmp_path_factory: pytest.TempPathFactory, profile_path: Path, kv_end
         # The first request pays one-time costs in the API process (template, tokenizer warm-up).
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         yield server
+
+
+@contextmanager
+def start_command(tmp_path: Path, command: str, *args: str) -> Iterator[Server]:
+    """``tokenline <command>`` (the router) on a free port, stopped afterwards."""
+    port = free_port()
+    log_path = tmp_path / f"{command}-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tokenline.cli", command, "--host", "127.0.0.1", "--port",
+                                    str(port), "--usage-db", str(tmp_path / f"usage-{port}.sqlite3"), *args],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        wait_healthy(server)
+        yield server
+    finally:
+        stop(process)
 
 
 def engine_processes(server: Server) -> list[psutil.Process]:
@@ -198,6 +216,35 @@ def test_three_simulated_engines_behind_one_fleet(tmp_path: Path, profile_path: 
     unscaled = predicted_prefill_s(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) \
         + 11 * DECODE_STEP_S
     assert unscaled / speed * 0.95 <= min(e2e[1::2]) and max(e2e[1::2]) < unscaled / 2
+
+
+def test_a_router_in_front_of_three_simulated_replicas(tmp_path: Path, profile_path: Path) -> None:
+    with ExitStack() as stack:
+        replicas = [stack.enter_context(start_server(tmp_path, "--simulate", str(profile_path), "--simulate-speed", "4",
+                                                     wait_ready=False)) for _ in range(3)]
+        for replica in replicas:
+            wait_healthy(replica)
+        router = stack.enter_context(start_command(
+            tmp_path, "router", "--routing-policy", "prefix", "--health-interval", "0.5",
+            *(a for r in replicas for a in ("--upstream", r.base_url))))
+        assert wait_until(lambda: sum(v for k, v in router.metrics().items()
+                                      if k.startswith("tokenline:router_upstream_healthy")) == 3)
+        client = openai.OpenAI(base_url=router.api_url, api_key="none", max_retries=0)
+        for prompt in PROMPTS:
+            for attempt in range(2):
+                completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+            usage = completion.usage
+            assert usage.completion_tokens == 4
+            assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 16  # the repeat found its prefix
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                max_tokens=5, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 5
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).isascii()
+        routed = [v for k, v in router.metrics().items() if k.startswith("tokenline:router_requests_total")]
+        generated = [r.metrics()["vllm:generation_tokens_total"] for r in replicas]
+    assert sum(routed) == 7 and sum(1 for v in routed if v) >= 2  # spread, not piled on one
+    assert sum(generated) == 6 * 4 + 5  # every token came from a simulated engine
 
 
 def run_simulate(profile: Path, tmp_path: Path, *args: str) -> dict:
