@@ -102,11 +102,17 @@ def test_bad_input_is_a_4xx_and_a_dropped_stream_is_aborted(ray_server: Server, 
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=10**7)
-    stream = client.completions.create(model=MODEL, prompt="Count slowly: 1, 2,", max_tokens=200, stream=True)
+    stream = client.completions.create(model=MODEL, prompt="Count slowly: 1, 2,", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
     for n, _chunk in enumerate(stream):
         if n == 2:
             break
     stream.close()  # the server aborts the request on the replica that runs it
+    engines = _engine_processes(ray_server)
+    time.sleep(1.0)  # the abort's way: API process -> Ray Serve's router -> the replica -> its engine
+    before = sum(_cpu(p) for p in engines)
+    time.sleep(2.0)
+    assert sum(_cpu(p) for p in engines) - before < 0.5  # nobody decodes the 1000 tokens any more
     reply = client.completions.create(model=MODEL, prompt="And now: 1, 2,", max_tokens=4)
     assert reply.choices[0].text
     assert httpx.get(f"{ray_server.base_url}/health", timeout=5).status_code == 200
