@@ -28,8 +28,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tokenline.sim.profile import Profile  # noqa: E402
-from tokenline.sim.step_model import StepModel  # noqa: E402
+from tokenline.sim.profile import Profile
+from tokenline.sim.step_model import StepModel
 
 README_STEP = StepModel(a=0.057, b=0.0028, c=0.0119, d=7.4e-6)  # SmolLM2-135M float32, one thread, here
 

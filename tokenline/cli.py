@@ -199,6 +199,8 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         from tokenline.sim.replica import SimulatedReplica
 
         settings.engine.core_factory = SimulatedReplica(Profile.read(args.simulate), args.simulate_speed)
+    elif args.simulate_speed != 1.0:
+        raise ValueError("--simulate-speed needs --simulate PROFILE.json")
     if settings.threads_per_engine is not None and settings.threads_per_engine < 1:
         raise ValueError(f"--threads-per-engine must be at least 1, got {settings.threads_per_engine}")
     if settings.data_parallel_size > 1:

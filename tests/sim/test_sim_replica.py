@@ -20,7 +20,14 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import Server, free_port, start_server, stop, wait_healthy, wait_until
+from tests.e2e.conftest import (
+    Server,
+    free_port,
+    start_server,
+    stop,
+    wait_healthy,
+    wait_until,
+)
 from tokenline.engine.kv_events import BlockStored
 from tokenline.engine.kv_events_zmq import KVEventSubscriber
 from tokenline.sim.profile import Profile
@@ -91,12 +98,17 @@ def test_the_engine_process_loads_no_torch_and_no_weights(replica: Server) -> No
     assert replica.metrics()["tokenline_kv_cache_blocks"] == 512  # --num-kv-blocks over the profile's sizing
 
 
-def test_a_bad_profile_is_a_one_line_error(tmp_path: Path) -> None:
+def test_bad_simulate_flags_are_one_line_errors(tmp_path: Path, profile_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
-    for path in (tmp_path / "missing.json", tmp_path / "bad.json"):
-        done = subprocess.run([sys.executable, "-m", "tokenline.cli", "serve", "--simulate", str(path)],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and "tokenline serve: error:" in done.stderr and "Traceback" not in done.stderr
+    for args, message in ((["--simulate", str(tmp_path / "missing.json")], "cannot read profile"),
+                          (["--simulate", str(tmp_path / "bad.json")], "not a tokenline profile"),
+                          (["--simulate", str(profile_path), "--simulate-speed", "0"], "must be positive"),
+                          (["--simulate-speed", "2"], "needs --simulate"),
+                          (["--simulate", str(profile_path), "--num-kv-blocks", "0"], "at least 1")):
+        done = subprocess.run([sys.executable, "-m", "tokenline.cli", "serve", *args],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and "tokenline serve: error:" in done.stderr, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_chat_and_streaming_through_the_openai_client(replica: Server) -> None:
@@ -251,7 +263,7 @@ def run_simulate(profile: Path, tmp_path: Path, *args: str) -> dict:
     out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
     command = [sys.executable, "-m", "tokenline.cli", "simulate", "--profile", str(profile), "--output-json",
                str(out), *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(out.read_text())
 
@@ -288,5 +300,5 @@ def test_simulate_refuses_bad_fleet_flags(profile_path: Path) -> None:
     for args, message in ((["--replicas", "0"], "--replicas must be >= 1"),
                           (["--replicas", "2", "--routing-policy", "nope"], "unknown routing policy")):
         done = subprocess.run([sys.executable, "-m", "tokenline.cli", "simulate", "--profile", str(profile_path),
-                               *args], capture_output=True, text=True, timeout=120)
+                               *args], capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -34,15 +34,26 @@ from tokenline.bench.serve import (
     ordinary_token_ids,
 )
 from tokenline.engine.engine_core import EngineCore
-from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats
 from tokenline.engine.kv_events import KVCacheEvent
+from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats
 from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy
-from tokenline.router.policy import ReplicaState, RouteDecision, RouteRequest, RoutingPolicy
+from tokenline.router.policy import (
+    ReplicaState,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+)
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.placeholder_runner import SimClock
 from tokenline.sim.profile import Profile
 from tokenline.sim.sim_target import SimTarget
-from tokenline.sim.simulate import ClosedLoopRun, SimConfig, build_sim_core, report, sim_target
+from tokenline.sim.simulate import (
+    ClosedLoopRun,
+    SimConfig,
+    build_sim_core,
+    report,
+    sim_target,
+)
 
 WORKLOADS = ("random", "multiturn")
 
