@@ -43,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse cached prompt prefixes (on by default)")
+    parser.add_argument("--hybrid-state-checkpoint-interval", type=int, default=None, metavar="TOKENS",
+                        help="hybrid models: keep a recurrent-state checkpoint every TOKENS tokens, a multiple "
+                             "of --block-size (default: 4 blocks), besides each prompt's end")
+    parser.add_argument("--hybrid-state-checkpoints", type=int, default=None, metavar="N",
+                        help="hybrid models: state checkpoint slots (default: 2 x --max-num-seqs, at most half "
+                             "of --kv-cache-memory); 0 turns prefix caching off for them")
     parser.add_argument("--speculative", default=None, choices=["ngram"],
                         help="speculative decoding for greedy requests; ngram: drafts looked up in the context")
     parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
@@ -75,6 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        hybrid_state_checkpoint_interval=getattr(args, "hybrid_state_checkpoint_interval", None),
+        hybrid_state_checkpoints=getattr(args, "hybrid_state_checkpoints", None),
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
@@ -194,6 +202,7 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
     settings.engine.num_kv_blocks = args.num_kv_blocks
+    settings.engine.validate()  # a bad engine flag is one line here, not a dead engine process later
     if args.simulate:
         from tokenline.sim.profile import Profile
         from tokenline.sim.replica import SimulatedReplica
@@ -235,6 +244,10 @@ def ray_settings_from_args(args: argparse.Namespace) -> RayServeSettings:
     """``--ray``'s settings; ``ValueError`` for a combination Ray Serve cannot run."""
     if (args.data_parallel_size or 1) > 1:
         raise ValueError("--ray and --data-parallel-size exclude each other: use --num-replicas")
+    if args.kv_events_config and parse_kv_events_config(args.kv_events_config).get("kv_events_endpoint"):
+        # Every replica would bind the same port; Ray Serve's routing stats carry their blocks instead.
+        raise ValueError("--kv-events-config with an endpoint does not work with --ray: replicas report their "
+                         "cached blocks to the router through Ray Serve (use --routing-policy kv_events)")
     try:
         from tokenline.router.ray_serve import DEFAULT_RAY_POLICY, RayServeSettings, resolve_policy
     except ImportError as exc:
@@ -268,7 +281,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         config = ModelConfig.from_dir(resolve_model(args.model))
     dtype_size = 4 if args.dtype == "float32" else 2
-    print(plan_memory(config, args.memory, args.seq_len, dtype_size).format())
+    print(plan_memory(config, args.memory, args.seq_len, dtype_size, args.hybrid_state_checkpoints).format())
     return 0
 
 
@@ -650,6 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=float, required=True, help="GiB of memory for weights + KV + states")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--hybrid-state-checkpoints", type=int, default=0, metavar="N",
+                   help="hybrid models: state checkpoint slots to count (prefix caching)")
     p.set_defaults(func=cmd_plan)
 
     p = commands.add_parser("make-test-model", help="write a tiny random-weight model in HF format (tests, demos)")

@@ -72,3 +72,16 @@ def test_plan_for_the_default_dense_model(default_model_dir: Path) -> None:
     plan = plan_memory(ModelConfig.from_dir(default_model_dir), memory_gib=4, seq_len=2048)
     assert plan.num_parameters == 134_515_008  # SmolLM2-135M, tied embeddings counted once
     assert plan.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2 and plan.state_bytes_per_sequence == 0
+
+
+def test_plan_counts_hybrid_state_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = plan_memory(ModelConfig.from_dict(CONFIG_27B), memory_gib=80, seq_len=8192, num_state_checkpoints=64)
+    assert plan.state_checkpoint_bytes == 64 * STATE_PER_SEQUENCE == 9_852_420_096
+    per_sequence = 8192 * KV_PER_TOKEN + STATE_PER_SEQUENCE
+    assert plan.max_sequences == (80 * 2**30 - 2 * PARAMETERS - 64 * STATE_PER_SEQUENCE) // per_sequence == 32
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG_27B))
+    argv = ["plan", "--model", str(path), "--memory", "80", "--seq-len", "8192", "--hybrid-state-checkpoints", "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "64 state checkpoints" in out and "9,852,420,096 B" in out and out.rstrip().endswith("32")

@@ -30,6 +30,12 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Hybrid models: prefix caching through recurrent-state checkpoints, one kept every this many
+    # tokens (a multiple of block_size; None: 4 blocks) besides each prompt's end and each
+    # sequence's deepest block; the pool holds this many (None: 2 x max_num_seqs, at most half of
+    # the cache memory). 0 turns prefix caching off for hybrid models.
+    hybrid_state_checkpoint_interval: int | None = None
+    hybrid_state_checkpoints: int | None = None
     check_integrity_every_step: bool = False
     speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (greedy requests)
     num_speculative_tokens: int = 4  # most draft tokens per request and step
@@ -64,6 +70,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        interval = self.hybrid_state_checkpoint_interval
+        if interval is not None and (interval < self.block_size or interval % self.block_size):
+            raise ValueError(
+                f"hybrid_state_checkpoint_interval must be a positive multiple of the block size "
+                f"({self.block_size}), got {interval}"
+            )
+        if self.hybrid_state_checkpoints is not None and self.hybrid_state_checkpoints < 0:
+            raise ValueError(f"hybrid_state_checkpoints must be >= 0, got {self.hybrid_state_checkpoints}")
         if self.num_kv_blocks is None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
         if self.speculative not in (None, "ngram"):
@@ -127,6 +141,17 @@ def data_parallel_configs(config: EngineConfig, size: int, threads_per_engine: i
     ]
 
 
+def hybrid_checkpoint_count(config: EngineConfig, state_bytes: int) -> int:
+    """State checkpoint slots for a hybrid model: as configured, else 2 per sequence slot but at
+    most half of the cache memory (0 when prefix caching is off)."""
+    if not config.enable_prefix_caching:
+        return 0
+    if config.hybrid_state_checkpoints is not None:
+        return config.hybrid_state_checkpoints
+    half = int(config.kv_cache_memory_gib * GIB) // 2 // max(1, state_bytes)
+    return max(1, min(2 * config.max_num_seqs, half))
+
+
 def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | None = None) -> EngineCore:
     """Load the model, size the KV pool from the memory budget and wire scheduler and runner."""
     if config.core_factory is not None:
@@ -155,11 +180,15 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     # Hybrid models hold one fixed-size recurrent state per running sequence: reserve those slots
     # out of the same memory budget first, the rest goes to KV blocks.
     num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
-    budget = int(config.kv_cache_memory_gib * GIB) - num_state_slots * runner.state_bytes_per_sequence()
+    num_checkpoints = hybrid_checkpoint_count(config, runner.state_bytes_per_sequence()) if num_state_slots else 0
+    state_bytes = (num_state_slots + num_checkpoints) * runner.state_bytes_per_sequence()
+    budget = int(config.kv_cache_memory_gib * GIB) - state_bytes
     num_blocks = config.num_kv_blocks or max(0, budget) // runner.kv_bytes_per_block(config.block_size)
-    runner.allocate_kv_cache(num_blocks, config.block_size, num_state_slots)
+    runner.allocate_kv_cache(num_blocks, config.block_size, num_state_slots + num_checkpoints)
     kv_cache = KVCacheManager(
-        num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, config.kv_cache_events
+        num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, config.kv_cache_events,
+        num_checkpoints=num_checkpoints,
+        checkpoint_interval=config.hybrid_state_checkpoint_interval or 4 * config.block_size,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

@@ -198,7 +198,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their blocks); emits AllBlocksCleared."""
-        self.kv_cache.pool.reset_prefix_cache()
+        self.kv_cache.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_stats
@@ -216,7 +216,14 @@ class EngineCore:
             spec_decode_num_drafts=spec.num_drafts,
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            prefix_cache_kv_matched=prefix.kv_matched,
         )
+        checkpoints = self.kv_cache.checkpoints
+        if checkpoints is not None:
+            stats.num_state_checkpoints = checkpoints.num_slots
+            stats.num_state_checkpoints_used = checkpoints.num_used
+            stats.state_checkpoints_saved = checkpoints.stats.saved
+            stats.state_checkpoint_hits = checkpoints.stats.hits
         if self.grammar_compiler is not None:
             times = self.grammar_compiler.compile_seconds
             stats.grammar_compile_count = len(times)

@@ -11,17 +11,26 @@ from dataclasses import dataclass
 
 from tokenline.engine.block_pool import BlockPool, hash_block
 from tokenline.engine.request import Request
+from tokenline.engine.state_checkpoints import StateCheckpointPool
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up at admission
     hits: int = 0  # of those, tokens found in the cache
+    # Hybrid models: tokens the KV blocks alone matched, before the cut back to the deepest state
+    # checkpoint (what a pure-attention model with this pool would have reused).
+    kv_matched: int = 0
 
 
 class KVCacheManager:
     """Block tables for full-attention KV, and — for hybrid models — one recurrent-state slot per
-    running sequence (linear-attention layers keep a fixed-size state instead of per-token KV)."""
+    running sequence (linear-attention layers keep a fixed-size state instead of per-token KV) and
+    a pool of state checkpoints that make prefix caching work for them (``state_checkpoints.py``).
+
+    State slot numbering, shared with the runner: running sequences use ``0 .. num_state_slots-1``,
+    checkpoints ``num_state_slots .. num_state_slots + num_checkpoints - 1``.
+    """
 
     def __init__(
         self,
@@ -30,10 +39,19 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
         enable_kv_cache_events: bool = False,
+        num_checkpoints: int = 0,
+        checkpoint_interval: int = 0,
     ) -> None:
-        # A cached KV prefix is useless to a hybrid model: its linear layers' state never saw those
-        # tokens, and states are not snapshotted at block boundaries. So no prefix caching there.
-        enable_prefix_caching = enable_prefix_caching and num_state_slots == 0
+        # A cached KV prefix alone is useless to a hybrid model (its linear layers' state never saw
+        # those tokens): prefix caching there needs state checkpoints.
+        enable_prefix_caching = enable_prefix_caching and (num_state_slots == 0 or num_checkpoints > 0)
+        self.checkpoints: StateCheckpointPool | None = None
+        if num_state_slots and enable_prefix_caching:
+            interval = checkpoint_interval or 4 * block_size
+            if interval % block_size:
+                raise ValueError(f"the state checkpoint interval ({interval}) must be a multiple of the block size")
+            self.checkpoints = StateCheckpointPool(num_checkpoints, interval)
+        self._restores: dict[str, int] = {}  # request id -> checkpoint slot to restore this step
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_cache_events)
         self.enable_prefix_caching = enable_prefix_caching
@@ -73,6 +91,12 @@ class KVCacheManager:
             if block_id is None:
                 break
             blocks.append(block_id)
+        if self.checkpoints is not None:
+            # Only usable up to the deepest matched block whose end has a state checkpoint.
+            matched = len(blocks)
+            while blocks and self.checkpoints.lookup(request.block_hashes[len(blocks) - 1]) is None:
+                blocks.pop()
+            request.kv_matched_tokens = matched * self.block_size
         return blocks
 
     def can_fit(self, request: Request, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
@@ -101,15 +125,72 @@ class KVCacheManager:
             self.state_slots[request.request_id] = self._free_slots.pop()
         if cached_blocks:
             assert not table, "cached prefix blocks can only start an empty table"
+            if self.checkpoints is not None:
+                num_cached = len(cached_blocks) * self.block_size
+                block_hash = request.block_hashes[len(cached_blocks) - 1]
+                self._restores[request.request_id] = self.checkpoint_base + self.checkpoints.restore(
+                    block_hash, num_cached
+                )
             self.pool.touch(cached_blocks)
             table.extend(cached_blocks)
             self._num_indexed[request.request_id] = len(cached_blocks)
         table.extend(self.pool.allocate(max(0, self.blocks_for(total) - len(table))))
         return True
 
-    def record_admission(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_admission(self, num_query_tokens: int, num_hit_tokens: int, num_kv_matched: int = 0) -> None:
         self.prefix_stats.queries += num_query_tokens
         self.prefix_stats.hits += num_hit_tokens
+        self.prefix_stats.kv_matched += max(num_hit_tokens, num_kv_matched)
+
+    # --- hybrid models: state checkpoints ------------------------------------------------------
+
+    @property
+    def checkpoint_base(self) -> int:
+        """The state-slot index of checkpoint slot 0 (checkpoints follow the running slots)."""
+        return self.num_state_slots
+
+    @property
+    def num_checkpoints(self) -> int:
+        return self.checkpoints.num_slots if self.checkpoints is not None else 0
+
+    def take_restore(self, request_id: str) -> int | None:
+        """The checkpoint slot to copy into the request's state slot before this step, if any."""
+        return self._restores.pop(request_id, None)
+
+    def plan_checkpoints(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """Checkpoints to take while this step computes the request's tokens ``start .. end``:
+        (tokens into the chunk, state slot) pairs. Block boundaries in the chunk on the interval and
+        at the end of the prompt are kept; the deepest boundary otherwise becomes the sequence's tail."""
+        pool = self.checkpoints
+        if pool is None:
+            return []
+        size = self.block_size
+        self._hash_full_blocks(request)
+        prompt = request.num_prompt_tokens
+        # Where an exact repeat of the prompt is cut (its last token is always recomputed), and the
+        # prompt's last block boundary (where the next turn of a conversation continues from).
+        prompt_ends = {(prompt - 1) // size * size, prompt // size * size}
+        deepest = end // size * size
+        saves = []
+        for depth in range(start // size * size + size, deepest + 1, size):
+            keep = depth % pool.interval == 0 or depth in prompt_ends
+            if not keep and depth != deepest:
+                continue
+            slot = pool.plan_save(request.block_hashes[depth // size - 1], request.request_id, depth, tail=not keep)
+            if slot is not None:
+                saves.append((depth - start, self.checkpoint_base + slot))
+        return saves
+
+    def commit_checkpoints(self) -> None:
+        """The step ran: its checkpoints become findable and the ones it restored unpinned."""
+        if self.checkpoints is not None:
+            self.checkpoints.commit()
+        self._restores.clear()
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks that became full and computed, so later requests reuse them."""
@@ -136,6 +217,8 @@ class KVCacheManager:
         slot = self.state_slots.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+        if self.checkpoints is not None:
+            self.checkpoints.forget_request(request.request_id)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.tables.values())
@@ -144,6 +227,8 @@ class KVCacheManager:
             raise AssertionError("state slots: a slot is held twice or lost")
         if set(self.state_slots) - set(self.tables):
             raise AssertionError("a request holds a state slot but no blocks")
+        if self.checkpoints is not None:
+            self.checkpoints.check_integrity()
 
     def _blocks_missing(self, request: Request, num_tokens: int, cached_blocks: Sequence[int]) -> int:
         have = len(self.tables.get(request.request_id, ())) + len(cached_blocks)

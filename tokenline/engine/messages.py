@@ -87,6 +87,13 @@ class EngineStats:
     spec_decode_num_drafts: int = 0  # speculative steps (a request verifying drafts)
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # Hybrid models: the KV match before the cut to a state checkpoint (prefix_cache_hits counts
+    # what was reused), and the checkpoint pool: slots, slots used, saves, admissions restored.
+    prefix_cache_kv_matched: int = 0
+    num_state_checkpoints: int = 0
+    num_state_checkpoints_used: int = 0
+    state_checkpoints_saved: int = 0
+    state_checkpoint_hits: int = 0
     # Structured output: grammars compiled (and the seconds they took), and requests whose
     # grammar was already compiled or compiling (a cache hit).
     grammar_compile_count: int = 0

@@ -45,6 +45,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        self.kv_matched_tokens = 0  # hybrid models: the KV match before the cut to a state checkpoint
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None

@@ -153,7 +153,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 break
             self.waiting.remove(request)
-            self.kv_cache.record_admission(request.num_tokens, num_cached)
+            self.kv_cache.record_admission(request.num_tokens, num_cached, request.kv_matched_tokens)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -164,6 +164,8 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
+        # Hybrid models' state checkpoints are planned once the batch is final (no preemption can
+        # take a planned save's sequence out of it any more).
         batch = ScheduledBatch(
             [self._scheduled_seq(self.requests[rid], n, drafts.get(rid, [])) for rid, n in scheduled.items()]
         )
@@ -175,6 +177,7 @@ class Scheduler:
         results = []
         now = self.clock()
         shared = len(batch.seqs) > 1
+        self.kv_cache.commit_checkpoints()  # the runner wrote them
         for seq in batch.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -322,6 +325,8 @@ class Scheduler:
             banned_token_ids=banned,
             state_slot=self.kv_cache.state_slot(request.request_id),
             draft_token_ids=drafts,
+            restore_state_from=self.kv_cache.take_restore(request.request_id),
+            state_checkpoints=self.kv_cache.plan_checkpoints(request, start, end),
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

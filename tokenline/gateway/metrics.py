@@ -10,8 +10,8 @@ requests that produced a first token and e2e latency's count equals the sum of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -35,6 +35,61 @@ class StatsSource(Protocol):
     def num_inflight(self) -> int: ...
 
     def backlog_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class FleetSource(Protocol):
+    """A fleet of replicas (``tokenline.router.fleet.FleetClient``), for per-upstream series.
+    ``counters``: per member, an object with ``requests``, ``errors``, ``retries``, ``ejections``,
+    ``predicted_hit_tokens``, ``reported_hit_tokens`` and ``prompt_tokens``; ``decisions``: routed
+    requests per (member, reason)."""
+
+    counters: Mapping[str, Any]
+    decisions: Mapping[tuple[str, str], int]
+
+    def member_healthy(self, name: str) -> bool: ...
+
+
+class _FleetCollector(Collector):
+    def __init__(self, fleet: FleetSource) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.fleet.counters
+
+        def per_upstream(family: CounterMetricFamily | GaugeMetricFamily, field: str) -> Metric:
+            for name, counts in counters.items():
+                family.add_metric([name], getattr(counts, field))
+            return family
+
+        up = ["upstream"]
+        yield per_upstream(CounterMetricFamily("tokenline:router_requests", "Requests routed to each upstream "
+                                               "(retries counted where they landed).", labels=up), "requests")
+        yield per_upstream(CounterMetricFamily("tokenline:router_errors", "Requests that failed on each upstream.",
+                                               labels=up), "errors")
+        yield per_upstream(CounterMetricFamily("tokenline:router_retries", "Requests moved away from each upstream "
+                                               "before their first token.", labels=up), "retries")
+        yield per_upstream(CounterMetricFamily("tokenline:router_ejections", "Times each upstream was ejected "
+                                               "after a failure.", labels=up), "ejections")
+        yield per_upstream(CounterMetricFamily("tokenline:router_prompt_tokens", "Prompt tokens of requests "
+                                               "finished on each upstream.", labels=up), "prompt_tokens")
+        hits = CounterMetricFamily("tokenline:router_prefix_hit_tokens", "Prompt tokens cached on each upstream: "
+                                   "predicted by the routing policy, or reported by the upstream.",
+                                   labels=["upstream", "source"])
+        for name, counts in counters.items():
+            hits.add_metric([name, "predicted"], counts.predicted_hit_tokens)
+            hits.add_metric([name, "reported"], counts.reported_hit_tokens)
+        yield hits
+        decisions = CounterMetricFamily("tokenline:router_decisions", "Routing decisions by upstream and reason.",
+                                        labels=["upstream", "reason"])
+        for (name, reason), count in sorted(self.fleet.decisions.items()):
+            decisions.add_metric([name, reason], count)
+        yield decisions
+        healthy = GaugeMetricFamily("tokenline:router_upstream_healthy", "1 while an upstream may take new "
+                                    "requests (ready, passing health checks, not ejected).", labels=up)
+        for name in counters:
+            healthy.add_metric([name], 1.0 if self.fleet.member_healthy(name) else 0.0)
+        yield healthy
 
 
 class _EngineCollector(Collector):
@@ -67,6 +122,16 @@ class _EngineCollector(Collector):
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_decode_num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       stats.spec_decode_num_accepted_tokens)
+        if stats.num_state_checkpoints:  # hybrid models' prefix caching
+            yield counter("tokenline_state_checkpoint_hits", "Admissions that restored a recurrent-state checkpoint.",
+                          stats.state_checkpoint_hits)
+            yield counter("tokenline_state_checkpoints_saved", "Recurrent-state checkpoints written.",
+                          stats.state_checkpoints_saved)
+            yield gauge("tokenline_state_checkpoints_used", "Recurrent-state checkpoint slots holding a state.",
+                        stats.num_state_checkpoints_used)
+            yield gauge("tokenline_state_checkpoints", "Recurrent-state checkpoint slots.", stats.num_state_checkpoints)
+            yield counter("tokenline_prefix_cache_kv_matched", "Prompt tokens the KV blocks alone matched "
+                          "(before the cut to the deepest state checkpoint).", stats.prefix_cache_kv_matched)
         yield counter("tokenline_grammar_compiles", "Structured-output grammars compiled.", stats.grammar_compile_count)
         yield counter("tokenline_grammar_compile_seconds", "Seconds spent compiling grammars.",
                       stats.grammar_compile_seconds_sum)
@@ -95,6 +160,8 @@ class ServerMetrics:
         t = ["tenant"] if tenant_labels else []
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(source, model_name))
+        if isinstance(source, FleetSource):  # serve --data-parallel-size, tokenline router
+            self.registry.register(_FleetCollector(source))
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)

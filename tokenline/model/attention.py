@@ -26,6 +26,8 @@ class PrefillSpan:
     context_len: int  # tokens the chunk attends to, itself included (cached + new)
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
     state_slot: int = -1  # hybrid models: the sequence's recurrent-state slot (-1: none)
+    # Hybrid models: (tokens into the span, slot) — copy the state there after that many tokens.
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

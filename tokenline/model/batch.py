@@ -43,6 +43,10 @@ class ScheduledSeq:
     # Speculative decoding: guessed tokens after the last known one, already at the end of
     # token_ids. The runner then returns the greedy token at each of the 1 + k positions.
     draft_token_ids: Sequence[int] = ()
+    # Hybrid models' prefix caching: a state slot (a checkpoint) to copy into ``state_slot`` before
+    # this step, and (tokens into this chunk, slot) pairs: copy the state there after that many tokens.
+    restore_state_from: int | None = None
+    state_checkpoints: Sequence[tuple[int, int]] = ()
     # Structured output: int32 [1 + len(draft_token_ids), ceil(vocab / 32)], one row per sampled
     # position, bit i of a row set when token i is allowed there (model/grammar.py); None: no constraint.
     grammar_bitmask: np.ndarray | None = None

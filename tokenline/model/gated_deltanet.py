@@ -7,7 +7,10 @@ a decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and a write strength ``beta 
 state update is ``S = exp(g) S + k (beta (v - (exp(g) S)^T k))^T`` and the output ``S^T q``. Value
 heads outnumber key heads; value head h reads key head ``h // (num_v / num_k)``. The output goes
 through a plain-weight RMSNorm over each value head, gated by ``silu(z)``. A prefill span continues
-from its slot's state when ``context_len - num_tokens > 0`` (chunked prefill).
+from its slot's state when ``context_len - num_tokens > 0`` (chunked prefill). A span may also ask for
+the state after some of its tokens (``PrefillSpan.checkpoints``, the engine's prefix-cache
+checkpoints): the chunked rule runs segment by segment up to each, and the conv window there is a
+slice of the span's input; so a checkpoint never needs a scheduler chunk to end at it.
 """
 
 from __future__ import annotations
@@ -184,9 +187,30 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split_qkv(conv_out[0].t().to(mixed.dtype))
 
         initial = recurrent_state[slot] if continues else None
-        core, final = gated_delta_rule_chunked(q, k, v, g, beta, initial)
+        if not span.checkpoints:
+            core, final = gated_delta_rule_chunked(q, k, v, g, beta, initial)
+            recurrent_state[slot] = final
+            out.copy_(core)
+            return
+        # The window after `offset` tokens is the `history` inputs before it: columns offset ..
+        # offset + history of `sequence` (which starts with the window carried in).
+        done = 0
+        for offset, checkpoint in span.checkpoints:
+            rows = slice(done, offset)
+            core, initial = gated_delta_rule_chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], initial)
+            out[rows].copy_(core)
+            recurrent_state[checkpoint] = initial
+            conv_state[checkpoint] = sequence[:, offset : offset + history]
+            done = offset
+        core, final = gated_delta_rule_chunked(q[done:], k[done:], v[done:], g[done:], beta[done:], initial)
         recurrent_state[slot] = final
-        out.copy_(core)
+        out[done:].copy_(core)
+
+
+def copy_state_slots(state: LinearState, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy one layer's (conv window, recurrent state) from slots ``src`` to slots ``dst``."""
+    for tensor in state:
+        tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Weights from the model definition itself (built on the meta device, so even a 27B config costs no
 memory), KV bytes per token (full-attention layers only), fixed state bytes per sequence
-(linear-attention layers), and how many sequences of a given length fit in a budget.
+(linear-attention layers), the state checkpoints that give hybrid models prefix caching, and how
+many sequences of a given length fit in a budget.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class MemoryPlan:
     bytes_per_sequence: int  # KV for seq_len tokens + the fixed state
     cache_budget_bytes: int  # memory left for KV and states after the weights
     max_sequences: int
+    num_state_checkpoints: int = 0  # hybrid prefix caching: checkpoint slots, one state each
+    state_checkpoint_bytes: int = 0
 
     def format(self) -> str:
         rows = [
@@ -36,6 +39,11 @@ class MemoryPlan:
             ("state per sequence", f"{self.state_bytes_per_sequence:,} B (linear-attention layers)"),
             (f"one sequence of {self.seq_len} tokens", _size(self.bytes_per_sequence)),
             ("left for KV + states", _size(self.cache_budget_bytes)),
+            *(
+                [(f"{self.num_state_checkpoints} state checkpoints", f"{_size(self.state_checkpoint_bytes)} "
+                  "(hybrid prefix caching)")]
+                if self.num_state_checkpoints else []
+            ),
             (f"sequences of {self.seq_len} tokens that fit", f"{self.max_sequences:,}"),
         ]
         width = max(len(name) for name, _ in rows)
@@ -49,7 +57,11 @@ def count_parameters(config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() already skips tied duplicates
 
 
-def plan_memory(config: ModelConfig, memory_gib: float, seq_len: int, dtype_size: int = 2) -> MemoryPlan:
+def plan_memory(
+    config: ModelConfig, memory_gib: float, seq_len: int, dtype_size: int = 2, num_state_checkpoints: int = 0
+) -> MemoryPlan:
+    """``num_state_checkpoints``: a hybrid model's checkpoint slots (``--hybrid-state-checkpoints``),
+    each one sequence's state, taken from the cache budget before sequences are counted."""
     params = count_parameters(config)
     weight_bytes = params * dtype_size
     cls = model_class(config.architecture)
@@ -57,7 +69,10 @@ def plan_memory(config: ModelConfig, memory_gib: float, seq_len: int, dtype_size
     state = cls.state_bytes_per_sequence(config, dtype_size)
     per_sequence = kv_per_token * seq_len + state
     budget = max(0, int(memory_gib * GIB) - weight_bytes)
-    return MemoryPlan(params, weight_bytes, kv_per_token, state, seq_len, per_sequence, budget, budget // per_sequence)
+    checkpoints = num_state_checkpoints if state else 0
+    left = max(0, budget - checkpoints * state)
+    return MemoryPlan(params, weight_bytes, kv_per_token, state, seq_len, per_sequence, budget, left // per_sequence,
+                      checkpoints, checkpoints * state)
 
 
 def _size(num_bytes: int) -> str:

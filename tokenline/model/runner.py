@@ -14,6 +14,7 @@ import torch
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, TokenLogprobs
 from tokenline.model.config import ModelConfig
+from tokenline.model.gated_deltanet import copy_state_slots
 from tokenline.model.interface import Cache
 from tokenline.model.loader import load_model
 from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -46,7 +47,8 @@ class ModelRunner:
         return type(self.model).state_bytes_per_sequence(self.config, self.dtype.itemsize)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
-        """The paged KV pool (full-attention layers) and, for hybrid models, the state slots."""
+        """The paged KV pool (full-attention layers) and, for hybrid models, the state slots (those
+        of running sequences, then the state checkpoints: the engine numbers them alike)."""
         self.kv_caches = self.model.make_caches(num_blocks, block_size, num_state_slots, self.dtype, self.device)
         self.block_size = block_size
 
@@ -55,7 +57,17 @@ class ModelRunner:
         # Decode rows first so that their attention is one batched call.
         seqs = sorted(batch.seqs, key=lambda s: s.num_tokens != 1)
         input_ids, positions, meta, logits_rows, sampling_seqs = self._prepare(seqs)
+        # Hybrid prefix hits: the checkpointed state first (all of them before any layer runs, so
+        # a save of this step can never overwrite one before it was read).
+        restores = [(s.restore_state_from, s.state_slot) for s in seqs if s.restore_state_from is not None]
+        if restores:
+            self._copy_states(restores)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        # Checkpoints at the end of a chunk: the state the forward left in the slot. (Those inside a
+        # prefill chunk were taken by the linear layers themselves: PrefillSpan.checkpoints.)
+        ends = [(slot, s.state_slot) for s in seqs for offset, slot in s.state_checkpoints if offset == s.num_tokens]
+        if ends:
+            self._copy_states([(src, dst) for dst, src in ends])
         if not sampling_seqs:
             return {}
         logits = self.model.compute_logits(hidden[logits_rows])
@@ -99,7 +111,8 @@ class ModelRunner:
                 decode_slots.append(slot)
             else:
                 block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
-                prefills.append(PrefillSpan(start, n, context_len, block_table, slot))
+                inside = [(offset, ckpt) for offset, ckpt in seq.state_checkpoints if offset < n]
+                prefills.append(PrefillSpan(start, n, context_len, block_table, slot, inside))
             if seq.sample:
                 logits_rows.extend(range(start + n - 1 - len(seq.draft_token_ids), start + n))
                 sampling_seqs.append(seq)
@@ -126,6 +139,14 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=device),
             sampling_seqs,
         )
+
+    def _copy_states(self, pairs: list[tuple[int | None, int | None]]) -> None:
+        """Copy linear-layer state slot ``src`` to slot ``dst`` for each (src, dst), in every layer."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            if isinstance(cache, tuple):
+                copy_state_slots(cache, src, dst)
 
     def _grammar_bitmask(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The constrained rows of the step's logits and their bitmasks, stacked (one copy to the device)."""
