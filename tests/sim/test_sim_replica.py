@@ -90,14 +90,6 @@ def engine_processes(server: Server) -> list[psutil.Process]:
             if "spawn_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_the_engine_process_loads_no_torch_and_no_weights(replica: Server) -> None:
-    [engine] = engine_processes(replica)
-    mapped = {m.path for m in engine.memory_maps()}
-    assert not [p for p in mapped if "libtorch" in p or p.endswith(".safetensors")]
-    assert engine.memory_info().rss < 150 * 2**20  # a dozen fit on a small machine
-    assert replica.metrics()["tokenline_kv_cache_blocks"] == 512  # --num-kv-blocks over the profile's sizing
-
-
 def test_bad_simulate_flags_are_one_line_errors(tmp_path: Path, profile_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     for args, message in ((["--simulate", str(tmp_path / "missing.json")], "cannot read profile"),
@@ -135,6 +127,15 @@ def test_chat_and_streaming_through_the_openai_client(replica: Server) -> None:
     assert usage.prompt_tokens == completion.usage.prompt_tokens
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: a prefix hit
     assert 1 <= len(pieces) <= 6 and "".join(pieces).isascii()
+
+
+def test_the_engine_process_loads_no_torch_and_no_weights(replica: Server) -> None:
+    # After the seeded request above: a seed must not pull torch in for its RNG either.
+    [engine] = engine_processes(replica)
+    mapped = {m.path for m in engine.memory_maps()}
+    assert not [p for p in mapped if "libtorch" in p or p.endswith(".safetensors")]
+    assert engine.memory_info().rss < 150 * 2**20  # a dozen fit on a small machine
+    assert replica.metrics()["tokenline_kv_cache_blocks"] == 512  # --num-kv-blocks over the profile's sizing
 
 
 def test_structured_output_is_refused_with_a_400(replica: Server) -> None:
