@@ -515,6 +515,10 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: add BOS etc. when tokenizing a text prompt
+    # vLLM's: each choice carries its token ids (deltas when streaming) and the prompt's (the first
+    # chunk of a stream); logprobs name tokens as "token_id:N". A router in front speaks these.
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = UNSUPPORTED_COMPLETION_FIELDS
 
@@ -769,10 +773,14 @@ class CompletionLogprobs(_Response):
 class CompletionChoice(_Response):
     """A choice in a completion response and in a completion chunk (OpenAI uses one shape)."""
 
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids", "prompt_token_ids"})
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):

@@ -453,12 +453,13 @@ class OpenAIServing:
         gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user)
         if request.stream:
             return _sse(self._completion_stream(gen, request))
-        return await _until_disconnect(self._completion_full(gen), raw)
+        return await _until_disconnect(self._completion_full(gen, request), raw)
 
-    async def _completion_full(self, gen: _Generation) -> Response:
+    async def _completion_full(self, gen: _Generation, request: CompletionRequest) -> Response:
         async for _ in self._updates(gen):
             pass
         want_logprobs = gen.params.logprobs is not None
+        want_ids, as_ids = request.return_token_ids, request.return_tokens_as_token_ids
         response = CompletionResponse(
             id=gen.response_id,
             created=gen.created,
@@ -467,8 +468,10 @@ class OpenAIServing:
                 CompletionChoice(
                     index=c.index,
                     text=c.stream.text,
-                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0) if want_logprobs else None,
+                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0, as_ids) if want_logprobs else None,
                     finish_reason=c.finish_reason,
+                    token_ids=list(c.token_ids) if want_ids else None,
+                    prompt_token_ids=gen.state.prompts[c.prompt_index] if want_ids else None,
                 )
                 for c in gen.state.in_order()
             ],
@@ -478,28 +481,40 @@ class OpenAIServing:
 
     def _completion_stream(self, gen: _Generation, request: CompletionRequest) -> AsyncIterator[str]:
         want_logprobs = gen.params.logprobs is not None
+        want_ids, as_ids = request.return_token_ids, request.return_tokens_as_token_ids
         text_offset: dict[int, int] = {}  # characters already streamed per choice (logprobs.text_offset)
+        ids_sent: dict[int, int] = {}  # token ids already streamed per choice (return_token_ids)
 
         def entries(choice: SequenceState, delta: str, logprobs: list[TokenLogprobs]) -> list[CompletionChoice]:
-            if not (delta or choice.finished or (want_logprobs and logprobs)):
+            sent = ids_sent.get(choice.index)
+            new_ids = choice.token_ids[sent or 0 :] if want_ids else []
+            if not (delta or choice.finished or (want_logprobs and logprobs) or new_ids):
                 return []
             entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
+            if want_ids:  # vLLM's shape: the delta's ids, and the prompt's on a choice's first chunk
+                entry.token_ids = list(new_ids)
+                entry.prompt_token_ids = gen.state.prompts[choice.prompt_index] if sent is None else None
+                ids_sent[choice.index] = len(choice.token_ids)
             offset = text_offset.get(choice.index, 0)
             if want_logprobs:
                 ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                entry.logprobs = self._completion_logprobs(ids, logprobs, offset)
+                entry.logprobs = self._completion_logprobs(ids, logprobs, offset, as_ids)
             text_offset[choice.index] = offset + len(delta)
             return [entry]
 
         return self._stream(gen, request, CompletionChunk, entries)
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int, as_ids: bool = False
+    ) -> CompletionLogprobs:
+        """``as_ids``: tokens spelled ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        name = (lambda i: f"token_id:{i}") if as_ids else self._token_text
         result = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs):
-            token = self._token_text(token_id)
+            token = name(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append({self._token_text(i): v for i, v in entry.top})
+            result.top_logprobs.append({name(i): v for i, v in entry.top})
             result.text_offset.append(offset)
             offset += len(token)
         return result

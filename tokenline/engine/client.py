@@ -271,6 +271,15 @@ class EngineClient(abc.ABC):
         if collector is not None:
             collector.fail(EngineRequestError(param, message))
 
+    def _fail_request(self, request_id: str, error: str) -> None:
+        """One request failed for the engine's reasons, not its own (a remote stream broke): it
+        ends with ``EngineDeadError`` while the client and its other requests carry on (a fleet
+        retries it elsewhere if nothing was delivered yet)."""
+        collector = self._collectors.pop(request_id, None)
+        self._aborting.discard(request_id)
+        if collector is not None:
+            collector.fail(EngineDeadError(error))
+
     def _on_dead(self, error: str) -> None:
         first = self.error is None
         if first:

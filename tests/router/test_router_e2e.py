@@ -1,0 +1,250 @@
+"""``tokenline router`` in front of two real ``tokenline serve`` upstreams, through the official client.
+
+The router renders, tokenizes and detokenizes; the upstreams get token ids over vLLM's streaming
+completions protocol (``return_token_ids``). Checked here: chat, streaming, ``n=2``, stop strings
+(the router's), usage with cached tokens, an upstream's 400 passed through, prefix affinity seen in
+the per-upstream series, and one upstream killed under load and restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.e2e.conftest import Server, free_port, start_server, stop, wait_healthy, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+UPSTREAM_ARGS = ("--max-tokens-cap", "64")  # the router has none: a larger max_tokens is the upstream's 400
+
+
+def _launch(tmp: Path, command: str, port: int, *args: str) -> Server:
+    log_path = tmp / f"{command}-{port}-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tokenline.cli", command, "--host", "127.0.0.1", "--port", str(port),
+             "--usage-db", str(tmp / f"usage-{port}.sqlite3"), *args],
+            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    return Server(f"http://127.0.0.1:{port}", process, log_path)
+
+
+def _upstream(tmp: Path, port: int) -> Server:
+    return _launch(tmp, "serve", port, "--kv-cache-memory", "0.25", *UPSTREAM_ARGS)
+
+
+@dataclass
+class Fleet:
+    router: Server
+    upstreams: list[Server]
+    tmp: Path
+    extra: list[Server] = field(default_factory=list)
+
+    def name(self, i: int) -> str:
+        return self.upstreams[i].base_url.removeprefix("http://")
+
+    def series(self, family: str, i: int, **labels: str) -> float:
+        """The router's sample of ``family`` for upstream ``i`` (and ``labels``); 0 when absent."""
+        wanted = [f'upstream="{self.name(i)}"', *(f'{k}="{v}"' for k, v in labels.items())]
+        for key, value in self.router.metrics().items():
+            if key.startswith(family + "{") and all(w in key for w in wanted):
+                return value
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("router")
+    ports = [free_port(), free_port()]
+    upstreams = [_upstream(tmp, port) for port in ports]
+    fleet = Fleet(None, upstreams, tmp)  # type: ignore[arg-type]
+    try:
+        for upstream in upstreams:
+            wait_healthy(upstream)
+        fleet.router = _launch(tmp, "router", free_port(), "--health-interval", "0.5", "--unhealthy-after", "2",
+                               *(a for u in upstreams for a in ("--upstream", u.base_url)))
+        wait_healthy(fleet.router)
+        assert wait_until(lambda: all(fleet.series("tokenline:router_upstream_healthy", i) == 1 for i in (0, 1)))
+        yield fleet
+    finally:
+        with ExitStack() as stack:
+            for server in [fleet.router, *fleet.upstreams, *fleet.extra]:
+                if server is not None:
+                    stack.callback(stop, server.process)
+
+
+def _client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.router.api_url, api_key="none", max_retries=0, timeout=120)
+
+
+def test_chat_streaming_n2_stop_strings_and_token_prompts_through_the_router(fleet: Fleet) -> None:
+    client = _client(fleet)
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.content and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 10
+
+    texts = {0: "", 1: ""}
+    usage = None
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=2, seed=3,
+                                                temperature=1.0, stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert all(texts.values()) and set(finishes) == {0, 1}
+    assert usage is not None and usage.completion_tokens <= 20
+
+    # Greedy: the stop string cuts the router's text exactly where the text without it has it.
+    plain = client.completions.create(model=MODEL, prompt="The alphabet: a, b, c, d,", max_tokens=16, temperature=0)
+    text = plain.choices[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = client.completions.create(model=MODEL, prompt="The alphabet: a, b, c, d,", max_tokens=16, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+    ids = client.completions.create(model=MODEL, prompt=[1, 504, 3458, 28], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens >= 1
+
+
+def test_an_upstreams_400_reaches_the_caller_as_a_400(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        _client(fleet).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=100)
+    assert "max_tokens" in str(error.value)
+    before = fleet.series("tokenline:router_errors_total", 0) + fleet.series("tokenline:router_errors_total", 1)
+    assert before == 0  # the request's own fault: no upstream is blamed, nothing retried
+
+
+def test_the_same_long_prompt_lands_on_the_same_upstream_and_hits_its_cache(fleet: Fleet) -> None:
+    client = _client(fleet)
+    system = "You are a librarian. " + " ".join(f"Rule {k}: shelve volume {k} by author." for k in range(40))
+    before = [fleet.series("tokenline:router_requests_total", i) for i in (0, 1)]
+    cached = []
+    for question in ("Where is volume 3?", "Where is volume 7?", "Where is volume 9?"):
+        reply = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+    after = [fleet.series("tokenline:router_requests_total", i) for i in (0, 1)]
+    landed = [a - b for a, b in zip(after, before)]
+    assert sorted(landed) == [0, 3], landed
+    assert cached[0] < cached[1] and min(cached[1:]) >= 300  # the shared system prompt came from the cache
+    target = landed.index(3)
+    assert fleet.series("tokenline:router_decisions_total", target, reason="prefix") >= 2
+    predicted = fleet.series("tokenline:router_prefix_hit_tokens_total", target, source="predicted")
+    reported = fleet.series("tokenline:router_prefix_hit_tokens_total", target, source="reported")
+    assert predicted >= 600 and reported >= sum(cached[1:])
+
+
+@dataclass
+class Outcome:
+    started: bool = False  # a chunk with content arrived
+    error: str | None = None
+    clean: bool = True  # the error was an error event, not a broken connection
+
+
+def _stream_one(client: openai.OpenAI, k: int) -> Outcome:
+    outcome = Outcome()
+    try:
+        for chunk in client.chat.completions.create(
+                model=MODEL, max_tokens=40, temperature=1.0, seed=k, stream=True,
+                # Distinct words: the chat template's shared start is too small a part for prefix
+                # affinity, so the load spreads over both upstreams.
+                messages=[{"role": "user", "content": f"Story {k}: " + " ".join(f"fox{k}x{j}" for j in range(30))}],
+                extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                outcome.started = True
+    except openai.APIError as exc:  # an HTTP status, or an error event inside the stream (its body)
+        outcome.error = str(exc)
+        outcome.clean = isinstance(exc.body, dict)
+    except Exception as exc:  # noqa: BLE001 - a broken connection is not a clean end
+        outcome.error, outcome.clean = repr(exc), False
+    return outcome
+
+
+def _kill_tree(server: Server) -> None:
+    parent = psutil.Process(server.process.pid)
+    victims = [parent, *parent.children(recursive=True)]
+    for process in victims:
+        process.send_signal(signal.SIGKILL)
+    server.process.wait(timeout=10)
+    psutil.wait_procs(victims, timeout=10)
+
+
+def test_killing_an_upstream_under_load_retries_unstarted_requests_and_it_rejoins(fleet: Fleet) -> None:
+    client = _client(fleet)
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + 40  # bounded: each worker stops by then
+    killed = threading.Event()
+    counter = iter(range(10_000))
+
+    def worker() -> None:
+        while time.monotonic() < stop_at and not (killed.is_set() and len(outcomes) >= 24):
+            with lock:
+                k = next(counter)
+            outcome = _stream_one(client, k)
+            with lock:
+                outcomes.append(outcome)
+
+    workers = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+    for thread in workers:
+        thread.start()
+    # Kill the first upstream seen decoding some of the load.
+    running = {}
+
+    def busy() -> bool:
+        running.update({i: u.metrics().get("vllm:num_requests_running", 0) for i, u in enumerate(fleet.upstreams)})
+        return any(running.values())
+
+    assert wait_until(busy, timeout=30)
+    victim = max(running, key=running.get)
+    victim_server = fleet.upstreams[victim]
+    time.sleep(0.3)
+    _kill_tree(victim_server)
+    killed_at = time.monotonic()
+    killed.set()
+    assert wait_until(lambda: fleet.series("tokenline:router_upstream_healthy", victim) == 0, timeout=5)
+    out_within = time.monotonic() - killed_at
+    requests_then = fleet.series("tokenline:router_requests_total", victim)
+    for thread in workers:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in workers)
+    assert out_within <= 5.0
+    # Nothing went to the dead upstream once it was out.
+    assert fleet.series("tokenline:router_requests_total", victim) == requests_then
+
+    failed_unstarted = [o for o in outcomes if o.error and not o.started]
+    failed_started = [o for o in outcomes if o.error and o.started]
+    assert not failed_unstarted, [o.error for o in failed_unstarted]
+    assert failed_started, "no stream was on the killed upstream: the kill came too late"
+    assert all(o.clean and "engine failed" in (o.error or "") for o in failed_started), failed_started
+    assert len(outcomes) - len(failed_started) >= 4  # the load went on on the other upstream
+    assert fleet.router.process.poll() is None
+
+    # Restarted on the same address, it is healthy again and takes new requests.
+    restarted = _upstream(fleet.tmp, int(victim_server.base_url.rsplit(":", 1)[1]))
+    fleet.extra.append(restarted)
+    wait_healthy(restarted)
+    assert wait_until(lambda: fleet.series("tokenline:router_upstream_healthy", victim) == 1, timeout=10)
+    before = fleet.series("tokenline:router_requests_total", victim)
+    for k in range(8):
+        client.completions.create(model=MODEL, prompt=f"Fresh prompt number {k} about rivers", max_tokens=2)
+        if fleet.series("tokenline:router_requests_total", victim) > before:
+            break
+    assert fleet.series("tokenline:router_requests_total", victim) > before
+    assert httpx.get(f"{fleet.router.base_url}/health", timeout=5).json()["status"] == "ok"
