@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.conftest import Server, free_port, start_server
 from tokenline.bench.multiturn import Conversation, Message, make_multiturn_workload, run_conversations
-from tokenline.bench.prefix_cache import hit_rates, parse_prefix_counters
+from tokenline.bench.prefix_cache import PrefixScrape, hit_rates, parse_prefix_counters, parse_upstream_counters
 from tokenline.bench.serve import BenchServeConfig, RequestResult, run_bench_serve
 from tokenline.cli import main as cli_main
 
@@ -114,17 +114,48 @@ vllm:prefix_cache_hits_total{{engine="1",model_name="m"}} {h1}
 
 
 def test_fleet_hit_rate_is_summed_hits_over_summed_queries() -> None:
+    def scrape(url: str, text: str) -> PrefixScrape:
+        return PrefixScrape(parse_prefix_counters(url, text), parse_upstream_counters(url, text))
+
     url = "http://a/metrics"
-    before = parse_prefix_counters(url, EXPOSITION.format(q0=100, q1=150, h0=10, h1=20))
+    before = scrape(url, EXPOSITION.format(q0=100, q1=150, h0=10, h1=20))
     # Engine 0 looked up 300 more tokens and found 240; engine 1 restarted (its counters fell) and
     # has 100 lookups and 10 hits since.
-    after = parse_prefix_counters(url, EXPOSITION.format(q0=400, q1=100, h0=250, h1=10))
-    other = parse_prefix_counters("http://b/metrics", EXPOSITION.format(q0=0, q1=0, h0=0, h1=0)
-                                  .replace('engine="1"', 'engine="0"'))
-    rate, replicas = hit_rates(before + other, after + other)
+    after = scrape(url, EXPOSITION.format(q0=400, q1=100, h0=250, h1=10))
+    other = scrape("http://b/metrics", EXPOSITION.format(q0=0, q1=0, h0=0, h1=0).replace('engine="1"', 'engine="0"'))
+    both = PrefixScrape(before.totals + other.totals, [])
+    rate, queries, hits, replicas = hit_rates(both, PrefixScrape(after.totals + other.totals, []))
     assert [(r.engine, r.queries, r.hits) for r in replicas] == [("0", 300, 240), ("1", 100, 10), ("0", 0, 0)]
     assert replicas[0].hit_rate == pytest.approx(0.8) and replicas[2].hit_rate is None
+    assert (queries, hits) == (400, 250)
     assert rate == pytest.approx(250 / 400)  # not the mean of the rates (0.45)
+
+
+FLEET = """# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{{model_name="m"}} {q}
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{{model_name="m"}} {h}
+# TYPE tokenline:router_prompt_tokens counter
+tokenline:router_prompt_tokens_total{{upstream="engine-0"}} {p0}
+tokenline:router_prompt_tokens_total{{upstream="engine-1"}} {p1}
+# TYPE tokenline:router_prefix_hit_tokens counter
+tokenline:router_prefix_hit_tokens_total{{source="predicted",upstream="engine-0"}} 999
+tokenline:router_prefix_hit_tokens_total{{source="reported",upstream="engine-0"}} {r0}
+tokenline:router_prefix_hit_tokens_total{{source="reported",upstream="engine-1"}} {r1}
+"""
+
+
+def test_one_fleet_url_gives_per_upstream_figures_from_the_reported_hits() -> None:
+    def scrape(**v: int) -> PrefixScrape:
+        text = FLEET.format(**v)
+        return PrefixScrape(parse_prefix_counters("u", text), parse_upstream_counters("u", text))
+
+    before = scrape(q=10, h=0, p0=10, p1=0, r0=0, r1=0)
+    after = scrape(q=410, h=200, p0=210, p1=200, r0=150, r1=50)
+    rate, queries, hits, replicas = hit_rates(before, after)
+    assert (rate, queries, hits) == (0.5, 400, 200)  # the fleet's own summed counters
+    assert [(r.engine, r.queries, r.hits, r.hit_rate) for r in replicas] == [
+        ("engine-0", 200, 150, 0.75), ("engine-1", 200, 50, 0.25)]
 
 
 # --- against a real server -------------------------------------------------------------------------

@@ -4,7 +4,10 @@ vLLM's counters ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits
 prompt tokens looked up and found. The rate over a run is the ratio of their increases between a
 scrape before and one after. A fleet's rate is the sum of its replicas' hits over the sum of their
 queries (not the mean of their rates: a replica that saw more tokens weighs more). Series of one
-URL that carry vLLM's ``engine`` label are kept apart, as replicas behind one API process.
+URL that carry vLLM's ``engine`` label are kept apart, as replicas behind one API process. A
+tokenline fleet behind one API process (``serve --data-parallel-size``) sums its engines into
+vLLM's series but exports per-upstream ones: prompt tokens finished on each upstream and the cached
+tokens it reported; those give the per-replica figures there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from tokenline.top import counter_delta, metrics_url
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
+UPSTREAM_PROMPT = "tokenline:router_prompt_tokens_total"
+UPSTREAM_HITS = "tokenline:router_prefix_hit_tokens_total"  # source="reported": what the upstream said
 
 
 class ScrapeError(Exception):
@@ -34,6 +39,14 @@ class PrefixCounters:
     engine: str
     queries: float
     hits: float
+
+
+@dataclass
+class PrefixScrape:
+    """Every URL's vLLM counters (``totals``) and, where a fleet exports them, per-upstream ones."""
+
+    totals: list[PrefixCounters]
+    upstreams: list[PrefixCounters]
 
 
 @dataclass
@@ -63,11 +76,25 @@ def parse_prefix_counters(url: str, text: str) -> list[PrefixCounters]:
     return [PrefixCounters(url, engine, v[QUERIES], v[HITS]) for engine, v in sorted(sums.items())]
 
 
+def parse_upstream_counters(url: str, text: str) -> list[PrefixCounters]:
+    """A tokenline fleet's per-upstream prompt tokens and reported cached tokens ([] if none)."""
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: {UPSTREAM_PROMPT: 0.0, UPSTREAM_HITS: 0.0})
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            upstream = sample.labels.get("upstream")
+            if upstream is None or math.isnan(sample.value):
+                continue
+            if sample.name == UPSTREAM_PROMPT or (sample.name == UPSTREAM_HITS
+                                                  and sample.labels.get("source") == "reported"):
+                sums[upstream][sample.name] += sample.value
+    return [PrefixCounters(url, name, v[UPSTREAM_PROMPT], v[UPSTREAM_HITS]) for name, v in sorted(sums.items())]
+
+
 async def scrape_prefix_counters(client: httpx.AsyncClient, urls: list[str],
-                                 api_key: str | None) -> list[PrefixCounters]:
+                                 api_key: str | None) -> PrefixScrape:
     """Every replica's counters now; ``urls`` are base URLs or full ``/metrics`` URLs."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    counters: list[PrefixCounters] = []
+    scrape = PrefixScrape([], [])
     for base in urls:
         url = metrics_url(base)
         try:
@@ -79,20 +106,30 @@ async def scrape_prefix_counters(client: httpx.AsyncClient, urls: list[str],
                               "(--metrics-api-key; tokenline's default: an admin key)")
         if response.status_code != 200:
             raise ScrapeError(f"{url} answered {response.status_code}")
-        counters += parse_prefix_counters(url, response.text)
-    return counters
+        scrape.totals += parse_prefix_counters(url, response.text)
+        scrape.upstreams += parse_upstream_counters(url, response.text)
+    return scrape
 
 
-def hit_rates(before: list[PrefixCounters], after: list[PrefixCounters]) -> tuple[float | None, list[ReplicaHitRate]]:
-    """The fleet-wide rate (sum of hits / sum of queries) and each replica's, over the increases
-    from ``before`` to ``after``. A replica missing before (a new engine label) counts from zero."""
+def _deltas(before: list[PrefixCounters], after: list[PrefixCounters]) -> list[ReplicaHitRate]:
     start = {(c.url, c.engine): c for c in before}
-    replicas = []
+    rates = []
     for c in after:
-        b = start.get((c.url, c.engine))
+        b = start.get((c.url, c.engine))  # missing before (a new engine label): counts from zero
         queries = counter_delta(b.queries if b else 0.0, c.queries) or 0.0
         hits = counter_delta(b.hits if b else 0.0, c.hits) or 0.0
-        replicas.append(ReplicaHitRate(c.url, c.engine, queries, hits, hits / queries if queries > 0 else None))
-    total_q = sum(r.queries for r in replicas)
-    total_h = sum(r.hits for r in replicas)
-    return (total_h / total_q if total_q > 0 else None), replicas
+        rates.append(ReplicaHitRate(c.url, c.engine, queries, hits, hits / queries if queries > 0 else None))
+    return rates
+
+
+def hit_rates(before: PrefixScrape, after: PrefixScrape) -> tuple[float | None, float, float, list[ReplicaHitRate]]:
+    """Over the increases from ``before`` to ``after``: the fleet-wide rate (sum of hits / sum of
+    queries of vLLM's counters), those sums, and each replica's figures — the vLLM counters' when
+    they name more than one replica, else a fleet's per-upstream ones when it exports them."""
+    totals = _deltas(before.totals, after.totals)
+    total_q = sum(r.queries for r in totals)
+    total_h = sum(r.hits for r in totals)
+    replicas = totals
+    if len(totals) == 1 and after.upstreams:
+        replicas = _deltas(before.upstreams, after.upstreams)
+    return (total_h / total_q if total_q > 0 else None), total_q, total_h, replicas

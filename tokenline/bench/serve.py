@@ -254,7 +254,7 @@ class BenchServeReport:
         rows.append(("hit rate (/metrics)", hits))
         if len(self.prefix_cache_replicas) > 1:
             for r in self.prefix_cache_replicas:
-                where = r["url"].removesuffix("/metrics") + (f" engine {r['engine']}" if r["engine"] else "")
+                where = r["engine"] or r["url"].removesuffix("/metrics")
                 rows.append((f"  {where}"[:width - 1], f"{pct(r['hit_rate'])} of {r['queries']:.0f} tokens"))
         rows.append(("cached share (usage)", pct(self.cached_tokens_share)))
         for turn, share in enumerate(self.cached_tokens_share_by_turn, 1):
@@ -486,10 +486,9 @@ async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
         report.num_groups, report.num_conversations = config.num_groups, config.num_conversations
         report.turns, report.system_prompt_len = config.turns, config.system_prompt_len
     if before is not None and after is not None:
-        rate, replicas = hit_rates(before, after)
+        rate, queries, hits, replicas = hit_rates(before, after)
         report.prefix_cache_hit_rate = rate
-        report.prefix_cache_queries = sum(r.queries for r in replicas)
-        report.prefix_cache_hits = sum(r.hits for r in replicas)
+        report.prefix_cache_queries, report.prefix_cache_hits = queries, hits
         report.prefix_cache_replicas = [asdict(r) for r in replicas]
     report.cached_prompt_tokens, report.cached_tokens_share = _cached_share(ok)
     if turns is not None:
