@@ -299,7 +299,8 @@ def test_one_replica_is_the_plain_simulation(profile_path: Path) -> None:
 
 def test_simulate_refuses_bad_fleet_flags(profile_path: Path) -> None:
     for args, message in ((["--replicas", "0"], "--replicas must be >= 1"),
-                          (["--replicas", "2", "--routing-policy", "nope"], "unknown routing policy")):
+                          (["--replicas", "2", "--routing-policy", "nope"], "unknown routing policy"),
+                          (["--workload", "multiturn", "--shared-prefix-len", "8"], "random workload's")):
         done = subprocess.run([sys.executable, "-m", "tokenline.cli", "simulate", "--profile", str(profile_path),
                                *args], capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr

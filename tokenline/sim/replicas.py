@@ -350,6 +350,8 @@ class FleetConfig:
             raise ValueError("num_groups, num_conversations, turns and system_prompt_len must be >= 1")
         if self.shared_prefix_len < 0:
             raise ValueError("shared_prefix_len must be >= 0")
+        if self.shared_prefix_len and self.workload != "random":
+            raise ValueError("--shared-prefix-len is the random workload's (multiturn shares system prompts)")
 
 
 def fleet_conversations(config: SimConfig, fleet: FleetConfig, vocab_size: int) -> Conversations:
