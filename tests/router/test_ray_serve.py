@@ -66,7 +66,7 @@ def test_chat_streamed_and_not_uses_both_replicas(ray_server: Server, client: op
     assert len(engines) == 2, [p.cmdline() for p in engines]
     before = {p.pid: _cpu(p) for p in engines}
     for i in range(4):  # prompts that differ from their first block: the prefix policy spreads them
-        system = f"{'Alpha Bravo Charlie Delta'.split()[i]} persona, number {i}, answers briefly."
+        system = f"{['Alpha', 'Bravo', 'Charlie', 'Delta'][i]} persona, number {i}, answers briefly."
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "system", "content": system},
                                    {"role": "user", "content": "Name a colour"}], max_tokens=8)
@@ -169,6 +169,8 @@ def test_ray_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
         (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "min <= max"),
         (["--ray", "--target-ongoing-requests", "4"], "need --max-replicas"),
         (["--ray", "--routing-policy", "nearest"], "nearest"),
+        (["--ray", "--kv-events-config", ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                           '"endpoint": "tcp://127.0.0.1:5557"}')], "does not work with --ray"),
     ]:
         with pytest.raises(ValueError, match=message):
             _settings(*argv)

@@ -433,8 +433,11 @@ class RayEngineClient(EngineClient):
         except Exception as exc:  # noqa: BLE001 - any failure to deploy is the engine's failure to start
             self._on_dead(f"Ray Serve deployment failed: {exc!r}")
             return
-        logger.info("Ray Serve: %s replica(s) of %s ready, routing policy %s", self.settings.num_replicas,
-                    self.model_dir.name, self.settings.routing_policy)
+        scaling = self.settings.autoscaling_config()
+        replicas = (f"{scaling['min_replicas']}..{scaling['max_replicas']} (autoscaling)" if scaling
+                    else str(self.settings.num_replicas))
+        logger.info("Ray Serve: %s replica(s) of %s ready, routing policy %s", replicas, self.model_dir.name,
+                    self.settings.routing_policy)
         self._set_ready(info)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
