@@ -166,25 +166,26 @@ class RemoteEngineClient(EngineClient):
             self._mark_out(why)
             return
         try:
-            if self.info is None:
-                await self._fetch_info()
+            info = await self._fetch_info() if self.info is None else None
             await self._scrape()
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             self._mark_out(f"model facts or metrics unreadable: {exc!r}")
             return
         self._mark_in()
+        if info is not None:
+            self._set_ready(info)  # after _mark_in: whoever waits for readiness finds it alive
 
-    async def _fetch_info(self) -> None:
+    async def _fetch_info(self) -> EngineReady:
         assert self._http is not None
         response = await self._http.get("/v1/models")
         response.raise_for_status()
         card = response.json()["data"][0]
         self.model = str(card["id"])
         load = await self._load()
-        self._set_ready(EngineReady(
+        return EngineReady(
             max_model_len=int(card.get("max_model_len") or 0), num_kv_blocks=load.num_kv_blocks or 0,
             block_size=load.block_size or 16, dtype="remote",
-        ))
+        )
 
     async def _load(self) -> UpstreamLoad:
         assert self._http is not None
