@@ -232,13 +232,11 @@ class ApproximatePrefix(RoutingPolicy):
         for replica in replicas:
             self._block_size[replica.name] = replica.block_size
         matched: dict[str, int] = {}
-        prompt_blocks = 0
         tokens_per_block: dict[str, int] = {}
         for size in {r.block_size for r in replicas}:
             chain, tokens = self._memo.chain(request, size)
             names = {r.name for r in replicas if r.block_size == size}
             matched.update(self._holders.match(chain, names))
-            prompt_blocks = max(prompt_blocks, len(chain))
             tokens_per_block.update(dict.fromkeys(names, tokens))
 
         def decision(replica: ReplicaState, reason: str) -> RouteDecision:
@@ -280,6 +278,7 @@ class ApproximatePrefix(RoutingPolicy):
         for key in self._trees.pop(replica, {}):
             self._holders.discard(key, replica)
         self._holders.release(replica)
+        self._block_size.pop(replica, None)
 
 
 class _ReplicaBlocks:
