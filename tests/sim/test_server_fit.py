@@ -33,7 +33,8 @@ def test_busy_steps_keep_back_to_back_steps_only() -> None:
 
 def test_fit_recovers_a_scale_and_an_overhead() -> None:
     rng = random.Random(3)
-    features = [StepFeatures(rng.choice([0, 0, 0, 96, 576]), rng.randint(0, 6), rng.randint(50, 1200)) for _ in range(80)]
+    features = [StepFeatures(rng.choice([0, 0, 0, 96, 576]), rng.randint(0, 6), rng.randint(50, 1200))
+                for _ in range(80)]
     steps = [(f, 1.25 * MODEL.predict(f) + 0.004 + rng.gauss(0, 1e-4)) for f in features]
     k, g = fit_scale_and_overhead(MODEL, steps)
     assert k == pytest.approx(1.25, rel=0.01) and g == pytest.approx(0.004, abs=5e-4)

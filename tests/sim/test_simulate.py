@@ -11,7 +11,7 @@ from tokenline.cli import main
 from tokenline.sim.placeholder_runner import SimClock
 from tokenline.sim.profile import Profile
 from tokenline.sim.simulate import SimConfig, build_sim_core, run_closed_loop, sim_target, simulate, workload_prompts
-from tokenline.sim.step_model import StepModel
+from tokenline.sim.step_model import StepFeatures, StepModel
 
 STEP = StepModel(a=0.010, b=0.001, c=0.002, d=1e-6)
 
@@ -91,3 +91,20 @@ def test_cli_writes_bench_serve_fields_and_refuses_bad_input(tmp_path: Path, cap
 def test_calibrate_refuses_a_missing_model_before_loading_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "calibrate", "--model", str(tmp_path / "none"), "--output", str(tmp_path / "p.json")]) == 2
     assert "not found" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+
+
+def test_requests_sent_together_reach_the_engine_one_overhead_apart() -> None:
+    # A real server's API process takes requests in turn (here 10 ms each): the first starts a prefill
+    # step alone (74 ms), the others land during it and are prefilled together in the next, as the
+    # step records of a real c=32 run show.
+    p = profile(overhead_s=0.01)
+    clock = SimClock()
+    config = SimConfig(concurrency=4, num_prompts=4, input_len=64, output_len=3)
+    core = build_sim_core(sim_target(p, config), config, clock)
+    run = run_closed_loop(core, workload_prompts(config, p.vocab_size), 3, 4, 0.01, clock.wait_until)
+    records = core.take_step_records()
+    assert records[0].start == pytest.approx(0.01) and (records[0].num_seqs, records[0].num_prefill_tokens) == (1, 64)
+    assert (records[1].num_prefill_tokens, records[1].num_decode_tokens) == (3 * 64, 1)
+    ttft = sorted(r.ttft for r in run.results)
+    assert ttft[0] == pytest.approx(0.01 + STEP.predict(StepFeatures(64, 0, 64)))
+    assert ttft[1] > 2 * ttft[0]  # the other three waited for the lone step

@@ -118,13 +118,14 @@ def calibrate(
     core.take_step_records()
     recorder.features.clear()
     deadline = time.monotonic() + design.max_seconds
+    # (batch, prompt length, tokens): pure prefills, then decode batches. Each repeat in its own
+    # shuffled order, so a load that rises or falls on a shared machine biases no one coefficient.
+    runs = [(1, length, 1) for length in design.prefill_lens] + [
+        (batch, context, design.decode_steps) for context in design.context_lens for batch in design.decode_batches]
     for _ in range(design.repeats):
-        for length in design.prefill_lens:
-            _run(core, prompts(1, length), 1)
-        for context in design.context_lens:
-            for batch in design.decode_batches:
-                if time.monotonic() < deadline:
-                    _run(core, prompts(batch, context), design.decode_steps)
+        for batch, length, tokens in rng.sample(runs, len(runs)):
+            if tokens == 1 or time.monotonic() < deadline:
+                _run(core, prompts(batch, length), tokens)
     records = core.take_step_records()
     if len(records) != len(recorder.features):
         raise RuntimeError(f"{len(records)} step records for {len(recorder.features)} batches")

@@ -65,8 +65,8 @@ def load_machine(spec: str) -> Machine:
     if not path.is_file():
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise MachineError(f"--machine {spec!r}: neither a known machine ({', '.join(['this', *builtin_machines()])}) "
-                               "nor a JSON file")
+            known = ", ".join(["this", *builtin_machines()])
+            raise MachineError(f"--machine {spec!r}: neither a known machine ({known}) nor a JSON file")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

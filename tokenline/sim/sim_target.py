@@ -112,8 +112,8 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
         target.kv_bytes_per_token, block_size)
     if blocks < 1:
         states = f" after {slots} state slots of {target.state_bytes_per_sequence / 1e6:.0f} MB" if slots else ""
-        raise MachineError(f"no KV block ({target.kv_bytes_per_token * block_size:,} B) fits in the cache memory{states}; "
-                           "raise --kv-cache-memory or lower --max-num-seqs")
+        raise MachineError(f"no KV block ({target.kv_bytes_per_token * block_size:,} B) fits in the cache "
+                           f"memory{states}; raise --kv-cache-memory or lower --max-num-seqs")
     name = profile.model if not what_if.model_config else _config_name(Path(what_if.model_config).expanduser())
     return SimTarget(step_model, overhead, name, target_config.vocab_size, target_config.max_position_embeddings,
                      target.kv_bytes_per_token, blocks, slots, target_machine.name, target.weight_bytes)

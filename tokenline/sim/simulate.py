@@ -70,8 +70,10 @@ def run_closed_loop(
     """Keep ``concurrency`` requests in flight until every prompt has had ``output_len`` tokens.
 
     A request reaches the engine ``request_overhead_s`` after its client sends it (the HTTP and
-    tokenize path); its TTFT and E2E count from the send. Times come from ``core.clock``;
-    ``wait_until`` passes idle time (default: sleep on the wall clock)."""
+    tokenize path), one at a time: the API process takes requests sent together in turn, so the
+    first reaches an idle engine alone and starts a step by itself, as in a real server. TTFT and
+    E2E count from the send. Times come from ``core.clock``; ``wait_until`` passes idle time
+    (default: sleep on the wall clock)."""
     clock = core.clock
     wait = wait_until or (lambda t: time.sleep(max(0.0, t - clock())))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True).with_defaults()
@@ -80,11 +82,13 @@ def run_closed_loop(
     last = [0.0] * len(prompts)
     arrivals: list[tuple[float, int]] = []
     next_index = in_flight = max_in_flight = finished = 0
+    api_free_at = clock()  # when the API process is done with the requests handed to it so far
 
     def send(now: float) -> None:
-        nonlocal next_index, in_flight, max_in_flight
+        nonlocal next_index, in_flight, max_in_flight, api_free_at
         sent[next_index] = now
-        heapq.heappush(arrivals, (now + request_overhead_s, next_index))
+        api_free_at = max(now, api_free_at) + request_overhead_s
+        heapq.heappush(arrivals, (api_free_at, next_index))
         next_index += 1
         in_flight += 1
         max_in_flight = max(max_in_flight, in_flight)
