@@ -273,6 +273,23 @@ def test_precise_kv_reads_our_own_block_pool_events() -> None:
     assert policy.choose(RouteRequest("q", token_ids=tokens), replicas(0, 0)) == RouteDecision("r1", "prefix", 1 * B)
 
 
+@pytest.mark.parametrize("name", ["prefix", "kv_events"])
+def test_a_removed_replicas_blocks_never_show_up_on_a_newcomer(name: str) -> None:
+    """Replicas are bits in a mask and a removed one's bit is reused: the newcomer starts empty."""
+    policy = make_policy(name)
+    tokens = prompt(1, 6)
+    if name == "prefix":
+        route(policy, RouteRequest("a", token_ids=tokens), replicas(0))
+        route(policy, RouteRequest("b", token_ids=prompt(2, 6)), [ReplicaState("r1", num_running=1)])
+    else:
+        policy.on_kv_events("r0", [stored(tokens, None, [1, 2, 3, 4, 5, 6])])
+        policy.on_kv_events("r1", [stored(prompt(2, 6), None, [7, 8, 9, 10, 11, 12])])
+    policy.remove_replica("r0")
+    states = [ReplicaState("r1", num_running=1), ReplicaState("new")]
+    assert policy.choose(RouteRequest("c", token_ids=tokens), states).predicted_hit_tokens == 0
+    assert policy.choose(RouteRequest("d", token_ids=prompt(2, 6)), states) == RouteDecision("r1", "prefix", 6 * B)
+
+
 def test_precise_kv_spreads_new_prefixes_over_idle_replicas() -> None:
     policy = PreciseKV()
     homes = []
