@@ -155,7 +155,8 @@ class EngineReplica:
             elif isinstance(event, AllBlocksCleared):
                 self.blocks.clear()
 
-    async def generate(self, requests: list[EngineRequest]) -> AsyncIterator[object]:
+    async def generate(self, requests: list[EngineRequest], avoid: str | None = None) -> AsyncIterator[object]:
+        """``avoid`` is for the router: a retry names the replica that failed the first attempt."""
         yield self.name  # first: where the request runs (the caller routes its abort here)
         collector = self.client.add(requests)
         try:
@@ -275,6 +276,10 @@ class TokenlineRequestRouter(RequestRouter):
             target = by_name.get(str(pending_request.args[0])) if pending_request.args else None
             # A gone replica took its requests with it: any replica answers the no-op.
             return [[target]] if target is not None else [candidate_replicas[:1]]
+        avoid = pending_request.args[1] if pending_request is not None and len(pending_request.args) > 1 else None
+        if avoid is not None and len(by_name) > 1 and avoid in by_name:  # a retry: anywhere but there
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.to_full_id_str() != avoid]
+            by_name.pop(avoid)
         states = [self.replica_state(r) for r in candidate_replicas]
         route = _route_request(pending_request)
         if route is None:  # model_info and other calls: least loaded first
@@ -475,35 +480,53 @@ class RayEngineClient(EngineClient):
         return collector
 
     async def _pump(self, collector: OutputCollector, requests: list[EngineRequest]) -> None:
-        stream = self.handle.options(stream=True).generate.remote(requests)
-        replica: str | None = None
-        try:
-            async for item in stream:
-                if isinstance(item, str):
-                    replica = item
-                    self.served[replica] += 1
-                    pending = [r.request_id for r in requests if r.request_id in self._aborting]
-                    for request in requests:
-                        self._request_replica[request.request_id] = replica
-                    if pending:  # aborted before we knew where it ran
-                        self._send_abort(replica, pending)
-                elif isinstance(item, ReplicaRefusal):
-                    collector.fail(EngineRequestError(item.param, item.message))
-                    return
-                elif isinstance(item, ReplicaChunk) and replica is not None:
-                    self._replica_stats[replica] = item.stats
-                    self._deliver(StepOutputs(item.outputs, sum_stats(list(self._replica_stats.values())), [], []))
-            if not collector.finished:
-                collector.fail(EngineDeadError(f"replica {replica} ended the stream before the request finished"))
-        except asyncio.CancelledError:
-            stream.cancel()  # the replica's generator aborts the engine requests
-            raise
-        except Exception as error:  # noqa: BLE001 - a replica's death fails its requests
-            logger.warning("request %s failed on replica %s: %s", requests[0].request_id, replica, error)
-            collector.fail(EngineDeadError(f"replica {replica} failed: {error}"))
-        finally:
-            for request in requests:
-                self._request_replica.pop(request.request_id, None)
+        """One ``generate`` stream into the collector. A replica that fails before any output
+        (dead actor, engine restarting) gets the request once more: the caller saw no byte, and
+        Ray Serve's router has dropped a dead replica by then."""
+        unfinished = {r.request_id for r in requests}
+        failed: str | None = None
+        for attempt in range(2):
+            replica: str | None = None
+            produced = False
+            stream = self.handle.options(stream=True).generate.remote(requests, failed)
+            try:
+                async for item in stream:
+                    if isinstance(item, str):
+                        replica = item
+                        self.served[replica] += 1
+                        for request in requests:
+                            self._request_replica[request.request_id] = replica
+                        pending = [i for i in unfinished if i in self._aborting]
+                        if pending:  # aborted before we knew where it ran
+                            self._send_abort(replica, pending)
+                    elif isinstance(item, ReplicaRefusal):
+                        collector.fail(EngineRequestError(item.param, item.message))
+                        return
+                    elif isinstance(item, ReplicaChunk) and replica is not None:
+                        produced = produced or bool(item.outputs)
+                        unfinished -= {o.request_id for o in item.outputs if o.finished}
+                        self._replica_stats[replica] = item.stats
+                        self._deliver(StepOutputs(item.outputs, sum_stats(list(self._replica_stats.values())),
+                                                  [], []))
+                if unfinished:
+                    collector.fail(EngineDeadError(f"replica {replica} ended the stream before the request finished"))
+                return
+            except asyncio.CancelledError:
+                stream.cancel()  # the replica's generator aborts the engine requests
+                raise
+            except Exception as error:  # noqa: BLE001 - a replica's failure is judged here
+                aborted = any(i in self._aborting for i in unfinished)
+                if attempt == 0 and not produced and not aborted and not self._stopping:
+                    failed = replica
+                    logger.warning("request %s failed on replica %s before its first token (%s); retrying",
+                                   requests[0].request_id, replica, error)
+                    continue
+                logger.warning("request %s failed on replica %s: %s", requests[0].request_id, replica, error)
+                collector.fail(EngineDeadError(f"replica {replica} failed: {error}"))
+                return
+            finally:
+                for request in requests:
+                    self._request_replica.pop(request.request_id, None)
 
     def _send_abort(self, replica: str, request_ids: list[str]) -> None:
         async def call() -> None:
