@@ -298,7 +298,8 @@ def test_simulate_replicas_prefix_routing_beats_round_robin(profile_path: Path, 
 
 def test_one_replica_is_the_plain_simulation(profile_path: Path) -> None:
     profile = Profile.read(profile_path)
-    config = SimConfig(concurrency=3, num_prompts=9, input_len=40, output_len=6, num_kv_blocks=256)
+    config = SimConfig(concurrency=3, num_prompts=9, input_len=40, output_len=6, num_kv_blocks=256,
+                       request_overhead_s=0.03)
     plain = simulate(profile, config).to_dict()
     fleet = simulate_replicas(profile, config, FleetConfig(replicas=1)).to_dict()
     for key in ("duration_s", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p50_e2e_ms", "total_output_tokens"):

@@ -179,7 +179,8 @@ def run_fleet_closed_loop(
 ) -> FleetRun:
     """Run ``conversations`` through ``cores`` (each on its own clock in ``clocks``) behind
     ``policy``, at most ``concurrency`` conversations at a time. A request reaches the router
-    ``request_overhead_s`` after its client sends it; TTFT and E2E count from the send."""
+    ``request_overhead_s`` after its client sends it, one at a time (as ``run_closed_loop``'s);
+    TTFT and E2E count from the send."""
     names = list(cores)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True).with_defaults()
     order = itertools.count()  # ties in time keep their order: the run is deterministic
@@ -195,9 +196,10 @@ def run_fleet_closed_loop(
     reasons: dict[str, Counter[str]] = {name: Counter() for name in names}
     next_conversation = 0
     requests_in_flight = max_in_flight = 0
+    api_free_at = 0.0  # the router's API process takes requests in turn, as simulate's single server does
 
     def send_turn(conversation: int, turn: int, now: float) -> None:
-        nonlocal requests_in_flight, max_in_flight
+        nonlocal requests_in_flight, max_in_flight, api_free_at
         prompt = conversations.prompt(conversation, turn, answers[conversation])
         flight = _InFlight(len(results), conversation, turn, prompt, now)
         results.append(RequestResult(prompt_len=len(prompt)))
@@ -205,7 +207,8 @@ def run_fleet_closed_loop(
         flights[str(flight.index)] = flight
         requests_in_flight += 1
         max_in_flight = max(max_in_flight, requests_in_flight)
-        heapq.heappush(events, (now + request_overhead_s, _ARRIVE, next(order), str(flight.index)))
+        api_free_at = max(now, api_free_at) + request_overhead_s
+        heapq.heappush(events, (api_free_at, _ARRIVE, next(order), str(flight.index)))
 
     def start_conversation(now: float) -> None:
         nonlocal next_conversation
