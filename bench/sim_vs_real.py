@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""``tokenline simulate`` held against real ``bench serve`` runs of the same workloads (the README's
+"How close" table).
+
+Starts one ``tokenline serve --dtype float32 --kv-cache-memory 1 --threads-per-engine 1`` on a free
+local port (OMP_NUM_THREADS=1, as calibrated), then for each workload runs a pair back to back: the
+real ``bench serve`` (a fresh --seed each run, so the prefix cache never helps; the server's step
+records read from ``GET /v1/events`` meanwhile), then ``tokenline simulate`` with the same options.
+Repeats the whole list ``--repeats`` times, stops the server by pid and prints one markdown row per
+pair: p50 TTFT / TPOT / E2E real and simulated with the error, the 1-minute load average, and the
+error once the simulation runs at the real run's own step speed (the median of its busy steps'
+wall time over the profile's prediction): on a shared machine, what is left when the load of the
+moment is taken out.
+
+    .venv/bin/python bench/sim_vs_real.py PROFILE.json OUT_DIR [--repeats 2] \\
+        [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 8,16,512,16]   # c,num-prompts,in,out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tokenline.sim.profile import Profile  # noqa: E402
+from tokenline.sim.server_fit import busy_steps  # noqa: E402
+from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
+from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
+
+TOKENLINE = [sys.executable, "-m", "tokenline.cli"]
+KEYS = ("p50_ttft_ms", "p50_tpot_ms", "p50_e2e_ms")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_steps(url: str, out: list[dict], stop: threading.Event) -> None:
+    with httpx.stream("GET", f"{url}/v1/events", timeout=30) as response:
+        kind = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: ") and kind == "step":
+                out.append(json.loads(line[6:]))
+            if stop.is_set():
+                return
+
+
+def pct(sim: float, real: float) -> str:
+    return f"{(sim - real) / real * 100:+.0f} %"
+
+
+def row(profile: Profile, real: dict, steps: list[dict], load: float, repeat: int) -> str:
+    config = SimConfig(concurrency=real["concurrency"], num_prompts=real["num_prompts"], input_len=real["input_len"],
+                       output_len=real["output_len"], seed=real["seed"], kv_cache_memory_gib=1.0)
+    sim = simulate(profile, config).to_dict()
+    served = scaled_step_model(profile.step_model, profile.step_scale)
+    factor = statistics.median(w / (served.predict(f) + profile.step_overhead_s) for f, w in busy_steps(steps))
+    at_speed = Profile(**{**profile.__dict__, "step_scale": profile.step_scale * factor,
+                          "step_overhead_s": profile.step_overhead_s * factor})
+    adj = simulate(at_speed, config).to_dict()
+    cells = [f"c={real['concurrency']}, {real['input_len']}/{real['output_len']}", str(repeat), f"{load:.1f}"]
+    cells += [f"{real[k]:.0f} / {sim[k]:.0f} ({pct(sim[k], real[k])})" for k in KEYS]
+    cells.append(f"×{factor:.2f}: " + " / ".join(pct(adj[k], real[k]) for k in KEYS))
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("profile")
+    parser.add_argument("out_dir")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workloads", nargs="+", default=["1,6,128,32", "8,16,128,32", "32,32,128,32", "8,16,512,16"])
+    args = parser.parse_args()
+    profile = Profile.read(args.profile)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(out / "server.log", "w") as log:
+        server = subprocess.Popen([*TOKENLINE, "serve", "--dtype", "float32", "--kv-cache-memory", "1", "--port",
+                                   str(port), "--threads-per-engine", "1"], env=env, stdout=log, stderr=log, cwd=ROOT)
+    print("| workload (c, in/out) | repeat | load | TTFT p50 ms real / sim | TPOT p50 ms real / sim "
+          "| E2E p50 ms real / sim | at the run's step speed: TTFT / TPOT / E2E |")
+    print("|---|---|---|---|---|---|---|")
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        subprocess.run([*TOKENLINE, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len", "16",
+                        "--output-len", "4", "--seed", "999"], capture_output=True, cwd=ROOT)  # warm-up
+        seed = 100
+        for repeat in range(args.repeats):
+            for workload in args.workloads:
+                c, n, i, o = workload.split(",")
+                seed += 1
+                tag = f"c{c}_i{i}_o{o}_r{repeat}"
+                steps: list[dict] = []
+                stop = threading.Event()
+                reader = threading.Thread(target=read_steps, args=(url, steps, stop), daemon=True)
+                reader.start()
+                time.sleep(0.5)
+                opts = ["--concurrency", c, "--num-prompts", n, "--input-len", i, "--output-len", o, "--seed", str(seed)]
+                subprocess.run([*TOKENLINE, "bench", "serve", "--base-url", url, *opts, "--output-json",
+                                str(out / f"{tag}_real.json")], capture_output=True, check=True, cwd=ROOT)
+                load = os.getloadavg()[0]
+                stop.set()
+                time.sleep(1.2)  # the last steps' events, and a stats tick that wakes the reader
+                (out / f"{tag}_steps.json").write_text(json.dumps(steps))
+                real = json.loads((out / f"{tag}_real.json").read_text())
+                print(row(profile, real, steps, load, repeat), flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
