@@ -9,23 +9,30 @@ affinity shows as the prompt's cached tokens reported in ``usage``."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import psutil
 import pytest
+from ray.serve._private.common import DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
 
 from tests.e2e.conftest import Server, start_server, wait_healthy, wait_until
 from tokenline.cli import build_parser, serve_settings_from_args
 from tokenline.engine.kv_events import BlockStored
+from tokenline.engine.messages import EngineRequest
 from tokenline.router.policies import make_policy
 from tokenline.router.policy import ReplicaState, RouteRequest
-from tokenline.router.ray_serve import RayServeSettings, snapshot_events
+from tokenline.router.ray_serve import RayServeSettings, TokenlineRequestRouter, snapshot_events
+from tokenline.sampling_params import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVER_ERROR = re.compile(r"tokenline\.access: POST \S+ 5\d\d ")  # a request answered with a 5xx
@@ -217,3 +224,46 @@ def test_ray_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             _settings(*argv)
+
+
+@dataclass
+class _Replica:
+    """The two fields of Ray Serve's ``RunningReplica`` that the router reads (the real one needs a
+    live actor handle)."""
+
+    replica_id: ReplicaID
+    routing_stats: dict[str, Any]
+
+
+def test_the_router_asks_the_policy_with_replica_stats_and_routes_aborts_and_retries() -> None:
+    async def scenario() -> None:
+        router = TokenlineRequestRouter.__new__(TokenlineRequestRouter)  # Ray Serve's part needs a cluster
+        router.initialize_state(policy="kv_events")
+        a, b = (ReplicaID(unique_id=u, deployment_id=DeploymentID(name="engine", app_name="tokenline"))
+                for u in ("a", "b"))
+        name_a, name_b = a.to_full_id_str(), b.to_full_id_str()
+        tokens = list(range(40))
+        held = [(b"h0", None, tokens[:16]), (b"h1", b"h0", tokens[16:32])]
+        stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "block_size": 16}
+        replicas = [_Replica(a, {**stats, "blocks": []}), _Replica(b, {**stats, "blocks": held})]
+        requests = [EngineRequest("cmpl-1-0", tokens, SamplingParams())]
+
+        def call(method: str, *args: object, internal: str = "i1") -> PendingRequest:
+            return PendingRequest(list(args), {}, RequestMetadata("x", internal, call_method=method))
+
+        async def first_tier(pending: PendingRequest) -> list[str]:
+            tiers = await router.choose_replicas(replicas, pending)
+            return [r.replica_id.to_full_id_str() for r in tiers[0]]
+
+        generate = call("generate", requests)
+        assert await first_tier(generate) == [name_b]  # b reported the prompt's two blocks
+        router.on_request_routed(generate, b, None)
+        assert router.in_flight[name_b] == 1 and router.decisions[(name_b, "prefix")] == 1
+        router.on_request_completed(b, "i1")
+        assert router.in_flight[name_b] == 0 and not router.routes and not router.chosen
+        assert await first_tier(call("abort", name_b, ["cmpl-1-0"])) == [name_b]  # where the request runs
+        assert await first_tier(call("generate", requests, name_b, internal="i2")) == [name_a]  # a retry
+        replicas[1].routing_stats = {**stats, "num_running": 9, "blocks": held[:1]}  # one block evicted, busy
+        assert await first_tier(call("generate", requests, internal="i3")) == [name_a]
+
+    asyncio.run(scenario())
