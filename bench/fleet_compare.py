@@ -190,14 +190,34 @@ def run_workload(args: argparse.Namespace, url: str, metrics_urls: list[str]) ->
     return asyncio.run(run_bench_serve(config))
 
 
+def routing_decisions(url: str) -> dict[str, int]:
+    """The fleet's routing decisions by reason (``tokenline:router_decisions_total``), summed over
+    replicas; {} where the entry point exports none (a single replica)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    reasons: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tokenline:router_decisions_total" and "reason" in sample.labels:
+                reason = sample.labels["reason"]
+                reasons[reason] = reasons.get(reason, 0) + int(sample.value)
+    return reasons
+
+
 # --- the table ---------------------------------------------------------------------------------------
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def summarize(reports: dict[str, BenchServeReport]) -> list[dict[str, Any]]:
-    """One row per run: the figures and the ratios against the single replica and round_robin."""
+def summarize(reports: dict[str, BenchServeReport],
+              decisions: dict[str, dict[str, int]] | None = None) -> list[dict[str, Any]]:
+    """One row per run: the figures, the routing decisions by reason, and the ratios against the
+    single replica and round_robin."""
     single = reports.get(REFERENCE)
     rr = reports.get("round_robin")
     rows = []
@@ -214,6 +234,7 @@ def summarize(reports: dict[str, BenchServeReport]) -> list[dict[str, Any]]:
             "tpot_p50_ms": r.tpot_ms["p50"],
             "output_throughput": r.output_throughput,
             "errors": r.failed,
+            "decisions": (decisions or {}).get(name, {}),
             "hit_rate_vs_single": _ratio(r.prefix_cache_hit_rate, single.prefix_cache_hit_rate) if single else None,
             "hit_rate_vs_round_robin": _ratio(r.prefix_cache_hit_rate, rr.prefix_cache_hit_rate) if rr else None,
             "ttft_p50_vs_round_robin": _ratio(r.ttft_ms["p50"], rr.ttft_ms["p50"]) if rr else None,
@@ -233,8 +254,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| policy | fleet hit rate | per replica (share of tokens) | TTFT p50 ms | TPOT p50 ms | output tok/s | errors "
-        "| hit rate vs single | hit rate vs round_robin | TTFT p50 vs round_robin |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| hit rate vs single | hit rate vs round_robin | TTFT p50 vs round_robin | routing decisions |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         split = " / ".join(f"{pct(h)} ({pct(s)})" for h, s in zip(row["replica_hit_rates"], row["replica_query_share"]))
@@ -242,7 +263,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"| {row['policy']} | {pct(row['hit_rate'])} | {split or '–'} | {num(row['ttft_p50_ms'])} "
             f"| {num(row['tpot_p50_ms'], '.1f')} | {num(row['output_throughput'], '.1f')} | {row['errors']} "
             f"| {times(row['hit_rate_vs_single'])} | {times(row['hit_rate_vs_round_robin'])} "
-            f"| {times(row['ttft_p50_vs_round_robin'])} |")
+            f"| {times(row['ttft_p50_vs_round_robin'])} "
+            f"| {', '.join(f'{k} {v}' for k, v in sorted(row['decisions'].items())) or '–'} |")
     return "\n".join(lines)
 
 
@@ -286,17 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[tuple[str, Any]] = [] if args.no_single else [(REFERENCE, lambda: start_single(args, logs))]
     runs += [(policy, lambda policy=policy: start_fleet(args, policy, logs)) for policy in args.policies]
     reports: dict[str, BenchServeReport] = {}
+    decisions: dict[str, dict[str, int]] = {}
     for name, start in runs:
         began = time.monotonic()
         print(f"[fleet_compare] {name}: starting ({args.mode if name != REFERENCE else 'one replica'})",
               file=sys.stderr, flush=True)
         with start() as running:
             reports[name] = run_workload(args, running.url, running.metrics_urls)
+            decisions[name] = routing_decisions(running.url)
         r = reports[name]
         print(f"[fleet_compare] {name}: {r.completed} ok, {r.failed} failed, hit rate "
               f"{r.prefix_cache_hit_rate}, {time.monotonic() - began:.0f} s with start and stop"
               + (f" ({r.prefix_cache_note})" if r.prefix_cache_note else ""), file=sys.stderr, flush=True)
-    rows = summarize(reports)
+    rows = summarize(reports, decisions)
     print(f"mode {args.mode}, 2 replicas x {args.threads_per_engine} thread(s), {args.num_conversations} conversations "
           f"x {args.turns} turns over {args.num_groups} groups (system prompt {args.system_prompt_len}, user message "
           f"{args.input_len}, answer {args.output_len} tokens), {args.max_concurrency} at a time, seed {args.seed}"

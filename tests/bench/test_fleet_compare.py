@@ -47,7 +47,8 @@ def test_rows_carry_the_ratios_the_targets_need(fleet_compare: ModuleType) -> No
         "round_robin": report(0.5, 200.0, [(600, 300), (400, 200)]),
         "prefix": report(0.72, 150.0, [(500, 400), (500, 320)], failed=1),
     }
-    rows = {row["policy"]: row for row in fleet_compare.summarize(reports)}
+    decisions = {"prefix": {"prefix": 20, "smallest_tree": 4}}
+    rows = {row["policy"]: row for row in fleet_compare.summarize(reports, decisions)}
     prefix = rows["prefix"]
     assert prefix["hit_rate_vs_single"] == pytest.approx(0.9)
     assert prefix["hit_rate_vs_round_robin"] == pytest.approx(1.44)
@@ -60,13 +61,14 @@ def test_rows_carry_the_ratios_the_targets_need(fleet_compare: ModuleType) -> No
     lines = table.splitlines()
     assert lines[0].startswith("| policy | fleet hit rate |") and len(lines) == 5
     assert "| prefix | 72.0% | 80.0% (50.0%) / 64.0% (50.0%) | 150 | 50.0 |" in table
-    assert lines[-1].endswith("| 0.90× | 1.44× | 0.75× |")
+    assert lines[-1].endswith("| 0.90× | 1.44× | 0.75× | prefix 20, smallest_tree 4 |")
+    assert lines[-2].endswith("| 0.62× | 1.00× | 1.00× | – |")
 
 
 def test_without_round_robin_or_a_hit_rate_the_ratios_are_dashes(fleet_compare: ModuleType) -> None:
     rows = fleet_compare.summarize({"prefix": report(None, 150.0)})
     assert rows[0]["hit_rate_vs_round_robin"] is None and rows[0]["hit_rate_vs_single"] is None
-    assert fleet_compare.markdown_table(rows).splitlines()[-1].endswith("| – | – | – |")
+    assert fleet_compare.markdown_table(rows).splitlines()[-1].endswith("| – | – | – | – |")
 
 
 def test_arguments(fleet_compare: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,6 +86,7 @@ def test_single_replica_path_for_real(fleet_compare: ModuleType, tmp_path: Path,
     with fleet_compare.start_single(args, tmp_path) as running:
         assert running.metrics_urls == [] and len(running.servers) == 1
         result = fleet_compare.run_workload(args, running.url, running.metrics_urls)
+        assert fleet_compare.routing_decisions(running.url) == {}  # one engine: no router series
     (server,) = running.servers
     assert (result.completed, result.failed) == (4, 0)
     assert result.workload == "multiturn" and result.turns == 2
