@@ -96,6 +96,31 @@ def test_a_checkpoint_inside_a_chunk_holds_the_state_of_its_prefix_alone(llm: LL
             torch.testing.assert_close(recurrent[checkpoint], recurrent[alone], rtol=1e-5, atol=1e-6)
 
 
+def test_spans_prefilled_together_take_the_same_checkpoints_as_alone(llm: LLM) -> None:
+    runner = llm.engine.runner
+    runner.allocate_kv_cache(40, BLOCK, 8)
+    rng = random.Random(4)
+    a, b = rng.sample(range(1000, 200000), 150), rng.sample(range(1000, 200000), 90)
+
+    def seq(ids: list[int], slot: int, first_block: int, checkpoints: list[tuple[int, int]]) -> ScheduledSeq:
+        table = list(range(first_block, first_block + -(-len(ids) // BLOCK)))
+        return ScheduledSeq(f"r{slot}", ids, 0, table, False, GREEDY, state_slot=slot, state_checkpoints=checkpoints)
+
+    # Together: one batched chunked rule over both spans (checkpoints at 48 and 112 are off the
+    # 64-token chunk grid), then each alone.
+    runner.execute(ScheduledBatch([seq(a, 0, 0, [(48, 4), (112, 5)]), seq(b, 1, 10, [(64, 6)])]))
+    runner.execute(ScheduledBatch([seq(a[:48], 2, 20, [(48, 7)])]))
+    runner.execute(ScheduledBatch([seq(a[:112], 3, 24, [])]))
+    for conv, recurrent in (c for c in runner.kv_caches if isinstance(c, tuple)):
+        for together, alone in ((4, 7), (5, 3)):
+            torch.testing.assert_close(conv[together], conv[alone], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(recurrent[together], recurrent[alone], rtol=1e-5, atol=1e-5)
+    runner.execute(ScheduledBatch([seq(b, 2, 20, []), seq(a, 3, 30, [])]))  # together again, no checkpoints
+    for conv, recurrent in (c for c in runner.kv_caches if isinstance(c, tuple)):
+        torch.testing.assert_close(recurrent[1], recurrent[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(recurrent[0], recurrent[3], rtol=1e-5, atol=1e-5)
+
+
 def test_multi_turn_greedy_outputs_match_without_caching_and_hits_approach_pure_kv(llm: LLM) -> None:
     use_engine(llm, checkpoints=0)
     assert not llm.engine.kv_cache.enable_prefix_caching

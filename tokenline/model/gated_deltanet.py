@@ -29,6 +29,11 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.layers import GatedRMSNorm, Linear, MergedLinear
 
 CHUNK_SIZE = 64  # tokens per chunk of the chunked delta rule: matmul-sized, and the triangular solve stays small
+# Several sequences' prefill spans run as one batched, padded chunked rule only while a layer's
+# state is this small (value heads x dk x dv): there per-call overhead dominates and batching won
+# 1.4-2.2x on CPU; at Qwen3.5-27B's 786,432 the padding and layout copies lost 13-40 %
+# (bench/hybrid_batched_prefill.py).
+BATCHED_PREFILL_MAX_STATE = 65_536
 
 LinearState = tuple[torch.Tensor, torch.Tensor]  # (conv_state, recurrent_state) of one DeltaNet layer
 
@@ -117,9 +122,13 @@ class GatedDeltaNet(nn.Module):
         if num_decode:
             self._decode(mixed[:num_decode], g[:num_decode], beta[:num_decode], positions[:num_decode],
                          state, meta.decode_state_slots, core[:num_decode])
-        for span in meta.prefills:
-            rows = slice(span.start, span.start + span.num_tokens)
-            self._prefill(mixed[rows], g[rows], beta[rows], span, state, core[rows])
+        small = self.num_v_heads * self.head_k_dim * self.head_v_dim <= BATCHED_PREFILL_MAX_STATE
+        if len(meta.prefills) > 1 and small and not (x.is_cuda and _fla_kernels() is not None):
+            self._prefill_batched(mixed, g, beta, meta.prefills, state, core)
+        else:
+            for span in meta.prefills:
+                rows = slice(span.start, span.start + span.num_tokens)
+                self._prefill(mixed[rows], g[rows], beta[rows], span, state, core[rows])
 
         # The reference casts the rule's output to the model dtype before the gated norm.
         out = self.norm(core.to(x.dtype), z.view(num_tokens, self.num_v_heads, self.head_v_dim))
@@ -206,6 +215,55 @@ class GatedDeltaNet(nn.Module):
         recurrent_state[slot] = final
         out[done:].copy_(core)
 
+    def _prefill_batched(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        spans: list[PrefillSpan],
+        state: LinearState,
+        core: torch.Tensor,
+    ) -> None:
+        """Several sequences' spans in one conv call and one batched chunked rule (padded to the
+        longest), rather than one after another: the same maths as :meth:`_prefill` per span."""
+        conv_state, recurrent_state = state
+        history = self.kernel - 1
+        longest = max(span.num_tokens for span in spans)
+        windows = mixed.new_zeros(len(spans), self.conv_dim, history + longest)
+        initial = []
+        for b, span in enumerate(spans):
+            n = span.num_tokens
+            continues = span.context_len > n
+            if continues:
+                windows[b, :, :history] = conv_state[span.state_slot]
+            windows[b, :, history : history + n] = mixed[span.start : span.start + n].t()
+            initial.append(recurrent_state[span.state_slot] if continues else None)
+        conv_out = F.silu(F.conv1d(windows.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
+        for b, span in enumerate(spans):
+            n = span.num_tokens
+            conv_state[span.state_slot] = windows[b, :, n : n + history]
+            for offset, checkpoint in span.checkpoints:
+                conv_state[checkpoint] = windows[b, :, offset : offset + history]
+
+        rows = [torch.arange(s.start, s.start + s.num_tokens, device=mixed.device) for s in spans]
+        flat = torch.cat(rows)
+        acts = torch.cat([conv_out[b, :, : s.num_tokens].t() for b, s in enumerate(spans)]).to(mixed.dtype)
+        q, k, v = self._split_qkv(acts)
+        zero = recurrent_state.new_zeros(recurrent_state.shape[1:])
+        start = torch.stack([zero if state is None else state for state in initial])
+        segments = []
+        for span in spans:
+            bounds = [0, *(offset for offset, _ in span.checkpoints), span.num_tokens]
+            segments.append([b - a for a, b in zip(bounds, bounds[1:])])
+        out, final, snapshots = gated_delta_rule_chunked_varlen(
+            q, k, v, g.index_select(0, flat), beta.index_select(0, flat), segments, start
+        )
+        for b, span in enumerate(spans):
+            recurrent_state[span.state_slot] = final[b]
+            for (_, checkpoint), snapshot in zip(span.checkpoints, snapshots[b], strict=True):
+                recurrent_state[checkpoint] = snapshot
+        core.index_copy_(0, flat, out)
+
 
 def copy_state_slots(state: LinearState, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy one layer's (conv window, recurrent state) from slots ``src`` to slots ``dst``."""
@@ -285,7 +343,20 @@ def gated_delta_rule_chunked(
         return x.reshape(num_heads, num_chunks, chunk_size, *x.shape[2:])
 
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
-    cum = g.cumsum(-1)  # [H, N, C]
+    out, state, _ = _chunked_rule(q, k, v, g, beta, state)
+    out = out.reshape(num_heads, num_chunks * chunk_size, dv)[:, :num_tokens]
+    return out.transpose(0, 1), state
+
+
+def _chunked_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    snapshots: frozenset[int] = frozenset(),
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """The chunked rule on normalised float32 inputs laid out [..., H, N, C, d] (g, beta [..., H, N, C])
+    from ``state`` [..., H, dk, dv]; returns (out [..., H, N, C, dv], final state, the state after
+    each chunk index in ``snapshots``)."""
+    chunk_size, num_chunks = g.shape[-1], g.shape[-2]
+    cum = g.cumsum(-1)  # [..., H, N, C]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     # decay[t, s] = exp(c_t - c_s) for s <= t; masked before exp so that s > t cannot overflow.
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
@@ -300,15 +371,72 @@ def gated_delta_rule_chunked(
     scores = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
     k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [..., H, N, 1, 1]
 
     out = torch.empty_like(v)
+    taken = {}
     for i in range(num_chunks):
-        writes = values[:, i] - state_keys[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ writes
-        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ writes
-    out = out.reshape(num_heads, num_chunks * chunk_size, dv)[:, :num_tokens]
-    return out.transpose(0, 1), state
+        writes = values[..., i, :, :] - state_keys[..., i, :, :] @ state
+        out[..., i, :, :] = q_decayed[..., i, :, :] @ state + scores[..., i, :, :] @ writes
+        state = state * chunk_decay[..., i, :, :] + k_decayed[..., i, :, :].transpose(-1, -2) @ writes
+        if i in snapshots:
+            taken[i] = state
+    return out, state, taken
+
+
+def gated_delta_rule_chunked_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    segments: list[list[int]],
+    initial: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
+    """The rule over several sequences in one batched computation (their spans of one step).
+
+    Rows of q, k, v, g, beta hold the sequences one after another; sequence b has
+    ``sum(segments[b])`` rows and starts from ``initial[b]`` [Hv, dk, dv]. Each segment is padded
+    to whole chunks (beta = 0, g = 0: padding writes nothing and does not decay), so the state at
+    every segment's end is a chunk's end state, and a sequence with fewer chunks than the longest
+    keeps its final state through the padding. Returns (out [rows, Hv, dv], final states [B, Hv,
+    dk, dv], per sequence the states at the ends of all but its last segment).
+    """
+    num_rows, num_heads, dv = v.shape
+    q, k = _normalise_qk(q, k, num_heads)
+    dk = k.shape[-1]
+    # Where each real row goes in the padded [B, N * C] layout, and which chunk ends each segment.
+    chunks = [sum(-(-n // chunk_size) for n in seq) for seq in segments]
+    width = max(chunks) * chunk_size
+    index: list[int] = []
+    ends: list[list[int]] = []
+    for b, seq in enumerate(segments):
+        position = b * width
+        seq_ends = []
+        for n in seq:
+            index.extend(range(position, position + n))
+            position += -(-n // chunk_size) * chunk_size
+            seq_ends.append((position - b * width) // chunk_size - 1)
+        ends.append(seq_ends[:-1])
+    if len(index) != num_rows:
+        raise ValueError(f"segments cover {len(index)} rows, the inputs have {num_rows}")
+    rows = torch.tensor(index, dtype=torch.long, device=q.device)
+    batch = len(segments)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        flat = x.new_zeros(batch * width, *x.shape[1:], dtype=torch.float32)
+        flat.index_copy_(0, rows, x.float())
+        # [B * N * C, H, (d)] -> [B, H, N, C, (d)]
+        x = flat.view(batch, width, *x.shape[1:]).transpose(1, 2)
+        return x.reshape(batch, num_heads, width // chunk_size, chunk_size, *x.shape[3:])
+
+    q, k, v, g, beta = (padded(x) for x in (q, k, v, g, beta))
+    wanted = frozenset(i for seq_ends in ends for i in seq_ends)
+    out, final, taken = _chunked_rule(q, k, v, g, beta, initial.float(), wanted)
+    out = out.reshape(batch, num_heads, width, dv).transpose(1, 2).reshape(batch * width, num_heads, dv)
+    states = [[taken[i][b] for i in seq_ends] for b, seq_ends in enumerate(ends)]
+    return out.index_select(0, rows), final, states
 
 
 @functools.cache
