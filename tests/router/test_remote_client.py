@@ -19,7 +19,12 @@ import uvicorn
 import zmq
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from tokenline.engine.client import EngineDeadError, EngineRequestError
@@ -122,7 +127,7 @@ def _request(rid: str, max_tokens: int = 3) -> EngineRequest:
                                                            top_k=0, min_p=0.0, repetition_penalty=1.0))
 
 
-async def _drain(collector) -> list:  # noqa: ANN001 - OutputCollector
+async def _drain(collector) -> list:
     outputs = []
     while not collector.finished:
         outputs.extend(await collector.get())

@@ -29,7 +29,12 @@ import httpx
 
 from tokenline.engine.client import EngineClient, OutputCollector
 from tokenline.engine.kv_events import AllBlocksCleared
-from tokenline.engine.messages import EngineReady, EngineRequest, EngineStats, StepOutputs
+from tokenline.engine.messages import (
+    EngineReady,
+    EngineRequest,
+    EngineStats,
+    StepOutputs,
+)
 from tokenline.router.upstream_metrics import UpstreamLoad, parse_upstream_metrics
 from tokenline.router.upstream_stream import (
     StreamDecoder,
@@ -309,7 +314,7 @@ class RemoteEngineClient(EngineClient):
                 events = [event for _, batch in batches for event in batch.events]
                 if events:
                     loop.call_soon_threadsafe(lambda e=events: self._deliver(StepOutputs([], self.stats, e)))
-        except Exception:  # noqa: BLE001 - routing falls back to load when events stop
+        except Exception:
             logger.exception("upstream %s: KV event subscriber failed", self.spec.name)
         finally:
             subscriber.close()

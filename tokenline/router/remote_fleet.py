@@ -12,7 +12,11 @@ from collections.abc import Sequence
 
 from tokenline.router.data_parallel import build_policy
 from tokenline.router.fleet import FleetClient
-from tokenline.router.remote_client import RemoteEngineClient, UpstreamSpec, parse_upstream
+from tokenline.router.remote_client import (
+    RemoteEngineClient,
+    UpstreamSpec,
+    parse_upstream,
+)
 
 
 def default_router_policy(specs: Sequence[UpstreamSpec]) -> str:

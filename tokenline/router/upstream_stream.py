@@ -15,7 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason, RequestTimings, TokenLogprobs
+from tokenline.engine.messages import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    RequestTimings,
+    TokenLogprobs,
+)
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT,
                   "error": FinishReason.ERROR}
