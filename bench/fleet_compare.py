@@ -253,8 +253,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         return "–" if v is None else f"{v:.2f}×"
 
     lines = [
-        "| policy | fleet hit rate | per replica (share of tokens) | TTFT p50 ms | TPOT p50 ms | output tok/s | errors "
-        "| hit rate vs single | hit rate vs round_robin | TTFT p50 vs round_robin | routing decisions |",
+        ("| policy | fleet hit rate | per replica (share of tokens) | TTFT p50 ms | TPOT p50 ms | output tok/s | errors "
+         "| hit rate vs single | hit rate vs round_robin | TTFT p50 vs round_robin | routing decisions |"),
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:

@@ -12,8 +12,19 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Server, free_port, start_server
-from tokenline.bench.multiturn import Conversation, Message, make_multiturn_workload, run_conversations
-from tokenline.bench.prefix_cache import PrefixScrape, hit_rates, parse_prefix_counters, parse_upstream_counters
+from tokenline.bench.multiturn import (
+    Conversation,
+    Message,
+    MultiturnWorkload,
+    make_multiturn_workload,
+    run_conversations,
+)
+from tokenline.bench.prefix_cache import (
+    PrefixScrape,
+    hit_rates,
+    parse_prefix_counters,
+    parse_upstream_counters,
+)
 from tokenline.bench.serve import BenchServeConfig, RequestResult, run_bench_serve
 from tokenline.cli import main as cli_main
 
@@ -22,7 +33,7 @@ def decode(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def workload(seed: int = 3, conversations: int = 7, groups: int = 3, turns: int = 4):  # noqa: ANN201
+def workload(seed: int = 3, conversations: int = 7, groups: int = 3, turns: int = 4) -> MultiturnWorkload:
     return make_multiturn_workload(num_groups=groups, num_conversations=conversations, turns=turns,
                                    system_prompt_len=12, input_len=5, ordinary_ids=list(range(2, 50)),
                                    decode=decode, seed=seed)

@@ -410,7 +410,11 @@ async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
 async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
     """Send ``config.num_prompts`` streaming requests (or the multiturn workload's turns), at most
     ``config.concurrency`` at a time, and read the prefix-cache counters before and after."""
-    from tokenline.bench.prefix_cache import ScrapeError, hit_rates, scrape_prefix_counters
+    from tokenline.bench.prefix_cache import (
+        ScrapeError,
+        hit_rates,
+        scrape_prefix_counters,
+    )
 
     tokenizer = load_tokenizer(config.tokenizer_dir)
     ordinary = ordinary_token_ids(tokenizer.vocab_size, tokenizer.all_special_ids)
@@ -546,7 +550,12 @@ async def _run_multiturn(
     ordinary: Sequence[int],
 ) -> tuple[list[RequestResult], list[int], float, int]:
     """The multiturn workload: results and their turn indexes, the duration, the most in flight."""
-    from tokenline.bench.multiturn import Conversation, Message, make_multiturn_workload, run_conversations
+    from tokenline.bench.multiturn import (
+        Conversation,
+        Message,
+        make_multiturn_workload,
+        run_conversations,
+    )
 
     workload = make_multiturn_workload(
         num_groups=config.num_groups, num_conversations=config.num_conversations, turns=config.turns,
