@@ -8,13 +8,15 @@ fleet-wide prefix-cache hit rate, per-replica rates, TTFT/TPOT p50, output tok/s
 ratios the fleet targets are stated in (hit rate against the single replica and against
 round_robin, TTFT p50 against round_robin).
 
-    .venv/bin/python bench/fleet_compare.py [--mode dp|router] [--policies round_robin,prefix,...]
+    .venv/bin/python bench/fleet_compare.py [--mode dp|router|ray] [--policies round_robin,prefix,...]
 
 --mode dp:     one ``tokenline serve --data-parallel-size 2 --threads-per-engine T --routing-policy P``;
                the hit rate from its /metrics (per replica: its per-upstream series).
 --mode router: two ``tokenline serve`` (KV events published, OMP_NUM_THREADS=T) behind
                ``tokenline router --upstream URL,kv-events=… --routing-policy P``; the hit rate from
                each upstream's /metrics (the router's own copy lags by its scrape interval).
+--mode ray:    one ``tokenline serve --ray --num-replicas 2 --threads-per-engine T --routing-policy P``
+               (a local Ray cluster); the hit rate from its /metrics (the replicas' summed counters).
 The single replica runs with T threads too, so that it is one member of the fleet.
 """
 
@@ -154,10 +156,11 @@ def start_single(args: argparse.Namespace, logs: Path) -> Iterator[Running]:
 def start_fleet(args: argparse.Namespace, policy: str, logs: Path) -> Iterator[Running]:
     """Two replicas behind one entry point routing by ``policy``."""
     affinity = ["--session-affinity"] if args.session_affinity else []
-    if args.mode == "dp":
-        argv = [*serve_args(args, logs, f"dp-{policy}"), "--data-parallel-size", "2",
+    if args.mode in ("dp", "ray"):
+        fleet = (["--data-parallel-size", "2"] if args.mode == "dp" else ["--ray", "--num-replicas", "2"])
+        argv = [*serve_args(args, logs, f"{args.mode}-{policy}"), *fleet,
                 "--threads-per-engine", str(args.threads_per_engine), "--routing-policy", policy, *affinity]
-        with launch(f"dp-{policy}", argv, logs) as server:
+        with launch(f"{args.mode}-{policy}", argv, logs) as server:
             wait_healthy([server])
             yield Running(server.url, [], [server])
         return
@@ -270,7 +273,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=["dp", "router"], default="dp")
+    p.add_argument("--mode", choices=["dp", "router", "ray"], default="dp")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
     p.add_argument("--no-single", action="store_true", help="skip the single-replica reference")
     p.add_argument("--session-affinity", action="store_true", help="fleets keep a conversation (user) on a replica")
