@@ -8,9 +8,9 @@ real ``bench serve`` (a fresh --seed each run, so the prefix cache never helps; 
 records read from ``GET /v1/events`` meanwhile), then ``tokenline simulate`` with the same options.
 Repeats the whole list ``--repeats`` times, stops the server by pid and prints one markdown row per
 pair: p50 TTFT / TPOT / E2E real and simulated with the error, the 1-minute load average, and the
-error once the simulation runs at the real run's own step speed (the median of its busy steps'
-wall time over the profile's prediction): on a shared machine, what is left when the load of the
-moment is taken out.
+error once the simulation runs at the real run's own step speeds (``at_run_speed``: its decode and
+prefill steps' wall times against the profile's prediction): on a shared machine, what is left
+when the load of the moment is taken out.
 
     .venv/bin/python bench/sim_vs_real.py PROFILE.json OUT_DIR [--repeats 2] \\
         [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 8,16,512,16]   # c,num-prompts,in,out
@@ -38,6 +38,7 @@ from tokenline.sim.profile import Profile  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
 from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
+from tokenline.sim.step_model import StepFeatures, StepModel  # noqa: E402
 
 TOKENLINE = [sys.executable, "-m", "tokenline.cli"]
 KEYS = ("p50_ttft_ms", "p50_tpot_ms", "p50_e2e_ms")
@@ -69,15 +70,28 @@ def row(profile: Profile, real: dict, steps: list[dict], load: float, repeat: in
     config = SimConfig(concurrency=real["concurrency"], num_prompts=real["num_prompts"], input_len=real["input_len"],
                        output_len=real["output_len"], seed=real["seed"], kv_cache_memory_gib=1.0)
     sim = simulate(profile, config).to_dict()
-    served = scaled_step_model(profile.step_model, profile.step_scale)
-    factor = statistics.median(w / (served.predict(f) + profile.step_overhead_s) for f, w in busy_steps(steps))
-    at_speed = Profile(**{**profile.__dict__, "step_scale": profile.step_scale * factor,
-                          "step_overhead_s": profile.step_overhead_s * factor})
-    adj = simulate(at_speed, config).to_dict()
+    adj, decode_speed, prefill_speed = at_run_speed(profile, config, steps)
     cells = [f"c={real['concurrency']}, {real['input_len']}/{real['output_len']}", str(repeat), f"{load:.1f}"]
     cells += [f"{real[k]:.0f} / {sim[k]:.0f} ({pct(sim[k], real[k])})" for k in KEYS]
-    cells.append(f"×{factor:.2f}: " + " / ".join(pct(adj[k], real[k]) for k in KEYS))
+    cells.append(f"×{decode_speed:.2f} / ×{prefill_speed:.2f}: " + " / ".join(pct(adj[k], real[k]) for k in KEYS))
     return "| " + " | ".join(cells) + " |"
+
+
+def at_run_speed(profile: Profile, config: SimConfig, steps: list[dict]) -> tuple[dict, float, float]:
+    """The simulation with the step model moved to the real run's own speed: the decode-step
+    factor (median wall / predicted over its busy pure-decode steps) on a, c, d and g, the prefill
+    one (median of what the prefill tokens took over b·P) on b. A shared machine's load changes
+    both, and not alike."""
+    served = scaled_step_model(profile.step_model, profile.step_scale)
+    m, g = served, profile.step_overhead_s
+    busy = busy_steps(steps)
+    decode = statistics.median(w / (m.predict(f) + g) for f, w in busy if f.prefill_tokens == 0)
+    prefill_rows = [(w - decode * (m.predict(StepFeatures(0, f.decode_seqs, f.attended_context_tokens)) + g))
+                    / (m.b * f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0]
+    prefill = statistics.median(prefill_rows) if prefill_rows and m.b > 0 else decode
+    model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode)
+    at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})
+    return simulate(at_speed, config).to_dict(), decode, prefill
 
 
 def main() -> int:
@@ -97,7 +111,7 @@ def main() -> int:
         server = subprocess.Popen([*TOKENLINE, "serve", "--dtype", "float32", "--kv-cache-memory", "1", "--port",
                                    str(port), "--threads-per-engine", "1"], env=env, stdout=log, stderr=log, cwd=ROOT)
     print("| workload (c, in/out) | repeat | load | TTFT p50 ms real / sim | TPOT p50 ms real / sim "
-          "| E2E p50 ms real / sim | at the run's step speed: TTFT / TPOT / E2E |")
+          "| E2E p50 ms real / sim | at the run's decode / prefill speed: TTFT / TPOT / E2E |")
     print("|---|---|---|---|---|---|---|")
     try:
         for _ in range(600):

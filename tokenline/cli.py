@@ -445,6 +445,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run)
     m = profile.step_model
     print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token + {m.c * 1e3:.3f} ms/decode seq "
+          f"+ {m.e * 1e3:.3f} ms x log2(1 + decode seqs) "
           f"+ {m.d * 1e6:.4f} us/attended context token  (fit rms {m.residual_rms_s * 1e3:.2f} ms over "
           f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
     if profile.server_steps:

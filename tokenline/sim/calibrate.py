@@ -31,7 +31,8 @@ from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_mode
 class CalibrationDesign:
     prefill_lens: tuple[int, ...] = (32, 128, 384)
     context_lens: tuple[int, ...] = (32, 256)
-    decode_batches: tuple[int, ...] = (1, 4, 8)
+    decode_batches: tuple[int, ...] = (1, 4, 8, 16, 32)
+    max_batch_tokens: int = 2048  # a decode batch's prompts together at most (the larger batches: short contexts)
     decode_steps: int = 5  # output tokens per decode-batch request: its prefill step, then decode steps
     repeats: int = 2
     max_seconds: float = 45.0  # the design stops early (keeping what it has) past this
@@ -121,7 +122,8 @@ def calibrate(
     # (batch, prompt length, tokens): pure prefills, then decode batches. Each repeat in its own
     # shuffled order, so a load that rises or falls on a shared machine biases no one coefficient.
     runs = [(1, length, 1) for length in design.prefill_lens] + [
-        (batch, context, design.decode_steps) for context in design.context_lens for batch in design.decode_batches]
+        (batch, context, design.decode_steps) for context in design.context_lens for batch in design.decode_batches
+        if batch * context <= design.max_batch_tokens]
     for _ in range(design.repeats):
         for batch, length, tokens in rng.sample(runs, len(runs)):
             if tokens == 1 or time.monotonic() < deadline:

@@ -121,9 +121,7 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
 
 def scaled_step_model(model: StepModel, scale: float) -> StepModel:
     """Every coefficient times ``scale`` (the model is linear)."""
-    if scale == 1.0:
-        return model
-    return StepModel(model.a * scale, model.b * scale, model.c * scale, model.d * scale, model.residual_rms_s)
+    return model if scale == 1.0 else model.scaled(scale)
 
 
 def _config_name(path: Path) -> str:
