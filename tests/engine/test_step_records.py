@@ -143,3 +143,14 @@ def test_no_direct_clock_reads_in_the_scheduler_request_and_engine_core() -> Non
                 assert not (isinstance(node.func.value, ast.Name) and node.func.value.id == "time"), (
                     f"{module.__name__} reads the clock directly: time.{node.func.attr}()"
                 )
+
+
+def test_records_count_the_context_each_step_attends_to() -> None:
+    # budget 8: a 10-token prompt is chunked 8 + 2 (positions 0-7 attend to 8, 8-9 to 10), then each
+    # decode step's token attends to everything before it and itself
+    engine = make_engine(FakeClock())
+    add(engine, "a", list(range(1, 11)), 3)
+    run(engine)
+    records = engine.take_step_records()
+    assert [(r.num_prefill_tokens, r.num_decode_tokens, r.num_context_tokens) for r in records] == [
+        (8, 0, 8), (2, 0, 10), (0, 1, 11), (0, 1, 12)]
