@@ -53,3 +53,16 @@ def test_a_calibrated_simulation_tracks_a_real_run(tmp_path: Path, one_thread: N
     assert real_e2e is not None and sim_e2e is not None
     print(f"E2E p50 real {real_e2e:.0f} ms, simulated {sim_e2e:.0f} ms; {m}")
     assert abs(sim_e2e - real_e2e) <= 0.5 * real_e2e, (sim_e2e, real_e2e, m)
+
+
+def test_the_server_run_fits_a_step_scale_and_overheads_on_a_real_server() -> None:
+    # bench calibrate's second half on its own: a real tokenline serve (float32, one thread), loaded
+    # at c=1 and c=6, its step records read from /v1/events; the offline model here is a rough one
+    from tokenline.sim.server_fit import measure_server
+    from tokenline.sim.step_model import StepModel
+
+    rough = StepModel(a=0.05, b=0.003, c=0.012, d=1e-5)
+    fit = measure_server(resolve_model(None), "float32", 1, rough)
+    print(fit)
+    assert fit.num_steps >= 20  # 4 requests x 11 decode steps at c=1 alone give more
+    assert 0.05 < fit.step_scale < 20 and 0 <= fit.step_overhead_s < 1 and 0 <= fit.request_overhead_s < 2

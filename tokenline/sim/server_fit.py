@@ -118,11 +118,12 @@ def measure_server(model_dir: Path, dtype: str, threads: int | None, model: Step
     12 output tokens: workloads of their own, not the ones a simulation is checked on), fit, stop it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "tokenline.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
-            "--port", str(port), "--kv-cache-memory", "0.5"]
-    if threads is not None:
-        argv += ["--threads-per-engine", str(threads)]
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as log:
+        # Its own usage ledger: calibration traffic stays out of the operator's.
+        argv = [sys.executable, "-m", "tokenline.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
+                "--port", str(port), "--kv-cache-memory", "0.5", "--usage-db", str(Path(tmp) / "usage.sqlite3")]
+        if threads is not None:
+            argv += ["--threads-per-engine", str(threads)]
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         try:
             deadline = time.monotonic() + startup_timeout_s
