@@ -290,3 +290,17 @@ def test_killing_an_upstream_under_load_retries_unstarted_requests_and_it_rejoin
             break
     assert fleet.series("tokenline:router_requests_total", victim) > before
     assert httpx.get(f"{fleet.router.base_url}/health", timeout=5).json()["status"] == "ok"
+
+
+def test_sigterm_drains_a_stream_in_flight_and_exits_cleanly(fleet: Fleet) -> None:
+    """Last in the module: it stops the router."""
+    client = _client(fleet)
+    stream = client.completions.create(model=MODEL, prompt="Tell me about the sea", max_tokens=16, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    fleet.router.process.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest and rest[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in [first, *rest])
+    assert fleet.router.process.wait(timeout=60) == 0
