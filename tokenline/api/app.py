@@ -43,6 +43,7 @@ from tokenline.api.responses_protocol import ResponsesRequest
 from tokenline.api.body_check import reject_invalid_unicode
 from tokenline.api.dashboard import install_dashboard
 from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
+from tokenline.api.passthrough import PassthroughServing
 from tokenline.api.serving import OpenAIServing
 from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
@@ -214,6 +215,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         request_timeout=settings.request_timeout,
         tool_call_parser=settings.tool_call_parser,
     )
+    passthrough = _passthrough(settings, client, serving)  # kind=openai upstreams: text forwarded
     # Stored Responses API responses live next to the usage rows, in the ledger's database.
     responses = ResponsesServing(serving, ResponseStore(ledger.path) if ledger is not None else None)
 
@@ -242,6 +244,8 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         yield
         await client.shutdown()
         await serving.drain()
+        if passthrough is not None:
+            await passthrough.drain()
         serving.text_pool.close()
         if ledger is not None:
             ledger.close()
@@ -340,12 +344,16 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx = context(request, body.model)
         gateway.check_limits(len(body.messages), body.requested_max_tokens, body.param_names["max_tokens"])
+        if passthrough is not None:
+            return await passthrough.chat(body, request, ctx)
         return await serving.chat(body, request, ctx)
 
     @app.post("/v1/completions", responses=success(CompletionResponse, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx = context(request, body.model)
         gateway.check_limits(0, body.requested_max_tokens, "max_tokens")
+        if passthrough is not None:
+            return await passthrough.completion(body, request, ctx)
         return await serving.completion(body, request, ctx)
 
     @app.post("/v1/responses", responses=success(stream=True))
@@ -446,6 +454,24 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         return metrics.response()
 
     return app
+
+
+def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAIServing) -> PassthroughServing | None:
+    """The text pass-through when the upstreams are ``kind=openai``; the prompt reservation counts
+    with the local tokenizer when the router was given ``--model``, else bytes/4."""
+    from tokenline.router.fleet import FleetClient
+    from tokenline.router.passthrough import HostedUpstream
+
+    if not (isinstance(client, FleetClient) and all(isinstance(m, HostedUpstream) for m in client.members.values())):
+        return None
+
+    def count(request: ChatCompletionRequest | CompletionRequest) -> int:
+        if isinstance(request, ChatCompletionRequest):
+            return len(serving.render_chat(request))
+        return sum(len(p) if isinstance(p, list) else len(serving.processor.encode(p)) for p in request.prompts())
+
+    return PassthroughServing(client, serving.gateway, serving.served_model_name, serving.check_model,
+                              count if settings.model else None)
 
 
 def serve(settings: ServerSettings) -> int:

@@ -49,11 +49,14 @@ logger = logging.getLogger("tokenline.router")
 
 @dataclass(frozen=True)
 class UpstreamSpec:
-    """One ``--upstream`` value: ``URL[,kv-events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]``."""
+    """One ``--upstream`` value: ``URL[,kv-events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]`` or
+    ``URL,kind=openai[,model=NAME]``."""
 
     url: str
     kv_events: str | None = None
     replay: str | None = None
+    kind: str = "tokenline"  # "openai": takes text only (router/passthrough.py); else token ids
+    model: str | None = None  # kind=openai: the upstream's model name (default: its /v1/models' first)
 
     @property
     def name(self) -> str:
@@ -70,12 +73,22 @@ def parse_upstream(text: str) -> UpstreamSpec:
     values: dict[str, str] = {}
     for option in options:
         key, sep, value = option.partition("=")
+        if key == "kind" and value in ("tokenline", "vllm", "openai") or key == "model" and value:
+            values[key] = value
+            continue
         if key not in ("kv-events", "replay") or not sep or not value.startswith("tcp://"):
-            raise ValueError(f"--upstream option {option!r}: expected kv-events=tcp://HOST:PORT or replay=tcp://HOST:PORT")
+            raise ValueError(f"--upstream option {option!r}: expected kv-events=tcp://HOST:PORT, replay=tcp://HOST:PORT, "
+                             "kind=tokenline|vllm|openai or model=NAME")
         values[key] = value
     if "replay" in values and "kv-events" not in values:
         raise ValueError(f"--upstream {url}: replay= needs kv-events=")
-    return UpstreamSpec(url.rstrip("/").removesuffix("/v1"), values.get("kv-events"), values.get("replay"))
+    kind = "openai" if values.get("kind") == "openai" else "tokenline"  # vllm and tokenline speak the same
+    if kind == "openai" and "kv-events" in values:
+        raise ValueError(f"--upstream {url}: kind=openai takes text only and publishes no KV events")
+    if "model" in values and kind != "openai":
+        raise ValueError(f"--upstream {url}: model= is for kind=openai (token-id upstreams name their own)")
+    return UpstreamSpec(url.rstrip("/").removesuffix("/v1"), values.get("kv-events"), values.get("replay"),
+                        kind, values.get("model"))
 
 
 class RemoteEngineClient(EngineClient):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenline.engine.client import EngineClient
 from tokenline.router.data_parallel import build_policy
 from tokenline.router.fleet import FleetClient
 from tokenline.router.remote_client import (
@@ -33,6 +34,9 @@ def parse_upstreams(values: Sequence[str]) -> list[UpstreamSpec]:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"--upstream given twice: {', '.join(duplicates)}")
+    if len({s.kind == "openai" for s in specs}) > 1:
+        raise ValueError("--upstream kinds mixed: kind=openai upstreams take text and the others token ids, so one "
+                         "request could not be retried or routed across both; run one router per kind")
     return specs
 
 
@@ -48,8 +52,12 @@ def remote_fleet(
 ) -> FleetClient:
     specs = parse_upstreams(upstreams)
     policy = build_policy(policy_name or default_router_policy(specs), session_affinity, seed)
-    members = {
-        spec.name: RemoteEngineClient(spec, api_key=api_key, health_interval=health_interval,
+    if specs[0].kind == "openai":
+        from tokenline.router.passthrough import HostedUpstream as member_type
+    else:
+        member_type = RemoteEngineClient
+    members: dict[str, EngineClient] = {
+        spec.name: member_type(spec, api_key=api_key, health_interval=health_interval,
                                       unhealthy_after=unhealthy_after)
         for spec in specs
     }
