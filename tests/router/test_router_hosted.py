@@ -183,3 +183,51 @@ def test_mixing_kinds_in_one_router_is_refused(tmp_path: Path) -> None:
          "--upstream", "http://127.0.0.1:10"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "kinds mixed" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_responses_api_is_refused_with_a_400_naming_the_routes_that_pass_through(hosted: Hosted) -> None:
+    response = httpx.post(f"{hosted.router.api_url}/responses", json={"model": SERVED, "input": "Hi"},
+                          headers={"Authorization": f"Bearer {hosted.key}"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "/v1/chat/completions" in response.json()["error"]["message"]
+
+
+def test_upstream_options_parse_and_bad_ones_are_refused() -> None:
+    from tokenline.router.remote_client import parse_upstream
+
+    spec = parse_upstream("https://api.example.com/v1,kind=openai,model=gpt-4o-mini")
+    assert (spec.url, spec.kind, spec.model) == ("https://api.example.com", "openai", "gpt-4o-mini")
+    assert parse_upstream("http://10.0.0.5:8000,kind=vllm").kind == "tokenline"  # both speak token ids
+    for bad in ("http://h:1,kind=grpc", "http://h:1,model=x", "http://h:1,kind=openai,kv-events=tcp://h:2"):
+        with pytest.raises(ValueError):
+            parse_upstream(bad)
+
+
+def test_a_refused_connection_before_the_first_byte_is_retried_on_another_upstream(hosted: Hosted) -> None:
+    tmp = hosted.tmp
+    doomed = _launch(tmp, "serve", free_port(), "--kv-cache-memory", "0.25", "--api-key", UPSTREAM_KEY)
+    router = None
+    try:
+        wait_healthy(doomed)
+        # Health checks every 60 s: after the first pair, only a request finds the dead upstream.
+        router = _launch(tmp, "router", free_port(), "--model", MODEL, "--routing-policy", "round_robin",
+                         "--upstream", f"{hosted.upstream.base_url},kind=openai",
+                         "--upstream", f"{doomed.base_url},kind=openai", "--upstream-api-key", UPSTREAM_KEY,
+                         "--health-interval", "60")
+        wait_healthy(router)
+        name = doomed.base_url.removeprefix("http://")
+        assert wait_until(lambda: router.metrics().get(f'tokenline:router_upstream_healthy{{upstream="{name}"}}') == 1)
+        doomed.process.kill()
+        doomed.process.wait(timeout=10)
+        client = openai.OpenAI(base_url=router.api_url, api_key="unused", max_retries=0, timeout=60)
+        for _ in range(3):
+            answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=3)
+            assert answer.usage is not None and answer.usage.completion_tokens == 3
+        samples = router.metrics()
+        assert samples[f'tokenline:router_retries_total{{upstream="{name}"}}'] == 1
+        assert samples[f'tokenline:router_upstream_healthy{{upstream="{name}"}}'] == 0
+    finally:
+        if router is not None:
+            stop(router.process)
+        stop(doomed.process)
