@@ -470,8 +470,11 @@ def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAI
             return len(serving.render_chat(request))
         return sum(len(p) if isinstance(p, list) else len(serving.processor.encode(p)) for p in request.prompts())
 
+    async def count_off_loop(request: ChatCompletionRequest | CompletionRequest) -> int:
+        return await serving.text_pool.run(count, request)  # tokenizing stays off the event loop
+
     return PassthroughServing(client, serving.gateway, serving.served_model_name, serving.check_model,
-                              count if settings.model else None)
+                              count_off_loop if settings.model else None)
 
 
 def serve(settings: ServerSettings) -> int:

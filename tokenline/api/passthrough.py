@@ -6,7 +6,9 @@ chunks arrive, ``settle`` with the ledger row — but the text work is the upstr
 out as the caller sent it (``model`` rewritten, ``stream_options.include_usage`` forced on so the
 upstream reports usage), and each SSE chunk comes back at once with ``model`` and ``id`` rewritten.
 The reservation counts the prompt with the local tokenizer when the router has ``--model``, else
-bytes/4; the settlement uses the upstream's reported usage. A caller that hangs up closes the
+bytes/4; the settlement uses the upstream's reported usage. Fields tokenline itself cannot honour
+are the upstream's to judge (only the schema is checked here); input filters run, output filters
+do not (the text is the upstream's, passed through unbuffered). A caller that hangs up closes the
 upstream stream and is billed what the upstream reported, or the content chunks counted so far.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenline.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
-from tokenline.api.serving import _sse, _sse_event, _until_disconnect
+from tokenline.api.serving import _message_texts, _sse, _sse_event, _until_disconnect
 from tokenline.gateway.errors import APIError
 from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
 from tokenline.gateway.ledger import ABORT_REASONS
@@ -33,7 +35,7 @@ from tokenline.router.passthrough import UpstreamCall, close_call, open_upstream
 from tokenline.router.policy import RouteRequest
 from tokenline.router.upstream_stream import UpstreamError, sse_payload
 
-PromptCounter = Callable[[ChatCompletionRequest | CompletionRequest], int]
+PromptCounter = Callable[[ChatCompletionRequest | CompletionRequest], Awaitable[int]]
 
 
 def estimate_tokens(text: str) -> int:
@@ -69,20 +71,22 @@ class PassthroughServing:
         self._background: set[asyncio.Task[None]] = set()
 
     async def chat(self, request: ChatCompletionRequest, raw: Request, ctx: RequestContext) -> Response:
-        text = "\n".join(str(m.get("content") or "") for m in request.template_messages())
-        return await self._forward("/v1/chat/completions", "chatcmpl", request, text, raw, ctx)
+        texts = _message_texts(request.template_messages())
+        return await self._forward("/v1/chat/completions", "chatcmpl", request, texts, raw, ctx)
 
     async def completion(self, request: CompletionRequest, raw: Request, ctx: RequestContext) -> Response:
-        text = "\n".join(p if isinstance(p, str) else " ".join(map(str, p)) for p in request.prompts())
-        return await self._forward("/v1/completions", "cmpl", request, text, raw, ctx)
+        texts = [p if isinstance(p, str) else " ".join(map(str, p)) for p in request.prompts()]
+        return await self._forward("/v1/completions", "cmpl", request, texts, raw, ctx)
 
     async def _forward(self, path: str, prefix: str, request: ChatCompletionRequest | CompletionRequest,
-                       text: str, raw: Request, ctx: RequestContext) -> Response:
+                       texts: list[str], raw: Request, ctx: RequestContext) -> Response:
+        text = "\n".join(texts)  # the routing key, and the estimate's input
         self.check_model(request.model)
         if not self.fleet.available():
             raise APIError.unavailable("no upstream is available; retry shortly", retry_after_s=2.0)
         body: dict[str, Any] = await raw.json()
-        prompt = self.count_prompt(request) if self.count_prompt is not None else estimate_tokens(text)
+        await self.gateway.screen_input(ctx, texts, request.param_names.get("prompt", "prompt"))
+        prompt = await self.count_prompt(request) if self.count_prompt is not None else estimate_tokens(text)
         n = body.get("n") if isinstance(body.get("n"), int) else 1
         await self.gateway.reserve(ctx, prompt, (request.requested_max_tokens or 0) * n)
         response_id = random_id(prefix)
