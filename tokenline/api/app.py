@@ -474,7 +474,7 @@ def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAI
         return await serving.text_pool.run(count, request)  # tokenizing stays off the event loop
 
     return PassthroughServing(client, serving.gateway, serving.served_model_name, serving.check_model,
-                              count_off_loop if settings.model else None)
+                              count_off_loop if settings.model else None, settings.request_timeout)
 
 
 def serve(settings: ServerSettings) -> int:

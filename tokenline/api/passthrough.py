@@ -62,8 +62,10 @@ class PassthroughServing:
     """``count_prompt``: the local tokenizer's count (router with ``--model``); None: bytes/4."""
 
     def __init__(self, fleet: FleetClient, gateway: Gateway, served_model_name: str,
-                 check_model: Callable[[str | None], None], count_prompt: PromptCounter | None = None) -> None:
+                 check_model: Callable[[str | None], None], count_prompt: PromptCounter | None = None,
+                 request_timeout: float | None = None) -> None:
         self.fleet = fleet
+        self.request_timeout = request_timeout
         self.gateway = gateway
         self.served_model_name = served_model_name
         self.check_model = check_model
@@ -123,7 +125,8 @@ class PassthroughServing:
     async def _full(self, fw: _Forwarded) -> Response:
         status = "failed"
         try:
-            data = json.loads(await fw.call.response.aread())
+            async with asyncio.timeout(self.request_timeout):
+                data = json.loads(await fw.call.response.aread())
             self.gateway.first_token(fw.ctx, time.monotonic())
             data.update(model=self.served_model_name, id=fw.response_id)
             fw.usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
@@ -133,6 +136,9 @@ class PassthroughServing:
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
+        except TimeoutError as exc:
+            status = "timed_out"
+            raise APIError.timeout(f"the request did not finish within {self.request_timeout:g} s") from exc
         except (httpx.HTTPError, ValueError) as exc:
             raise APIError(502, f"upstream {fw.call.upstream} broke off: {exc!r}", "server_error") from exc
         finally:
@@ -144,23 +150,28 @@ class PassthroughServing:
         status, payload = "failed", None
         try:
             try:
-                async for line in fw.call.response.aiter_lines():
-                    payload = sse_payload(line)
-                    if not payload:
-                        continue
+                async with asyncio.timeout(self.request_timeout):
+                    async for line in fw.call.response.aiter_lines():
+                        payload = sse_payload(line)
+                        if not payload:
+                            continue
+                        if payload == "[DONE]":
+                            break
+                        chunk = json.loads(payload)
+                        if "error" in chunk:  # the upstream's error event: passed on, the request failed
+                            yield _sse_event(chunk)
+                            break
+                        out = self._observe(fw, chunk, want_usage)
+                        if out is not None:
+                            yield out
+                    else:
+                        status = "finished"  # the stream ended without [DONE]: what came is what there is
                     if payload == "[DONE]":
-                        break
-                    chunk = json.loads(payload)
-                    if "error" in chunk:  # the upstream's error event: passed on, the request failed
-                        yield _sse_event(chunk)
-                        break
-                    out = self._observe(fw, chunk, want_usage)
-                    if out is not None:
-                        yield out
-                else:
-                    status = "finished"  # the stream ended without [DONE]: what came is what there is
-                if payload == "[DONE]":
-                    status = "finished"
+                        status = "finished"
+            except TimeoutError:
+                status = "timed_out"
+                yield _sse_event(APIError.timeout(f"the request did not finish within {self.request_timeout:g} s")
+                                 .to_dict())
             except (httpx.HTTPError, ValueError) as exc:
                 yield _sse_event(APIError(502, f"upstream {fw.call.upstream} broke off: {exc!r}",
                                           "server_error").to_dict())
@@ -168,8 +179,9 @@ class PassthroughServing:
             status = "cancelled"  # the caller hung up
             raise
         finally:
-            self._end(fw, status)
-        await self._settle(fw, status)
+            self._end(fw, status)  # settles in the background unless finished
+        if status == "finished":
+            await self._settle(fw, status)
         yield "data: [DONE]\n\n"
 
     def _observe(self, fw: _Forwarded, chunk: dict[str, Any], want_usage: bool) -> str | None:
