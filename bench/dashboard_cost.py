@@ -36,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tokenline.bench.serve import BenchServeConfig, run_bench_serve  # noqa: E402
+from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
 
 PROBE = """(() => {
   window.__lags = [];
@@ -141,14 +141,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     chromium = None
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base_url, server)
         config = BenchServeConfig(base_url, concurrency=args.concurrency, num_prompts=args.num_prompts,
                                   input_len=args.input_len, output_len=args.output_len)
         asyncio.run(run_bench_serve(BenchServeConfig(base_url, concurrency=8, num_prompts=8, input_len=16,

@@ -40,7 +40,8 @@ from typing import Any
 
 import httpx
 
-from tokenline.bench.serve import BenchServeConfig, BenchServeReport, run_bench_serve
+from tokenline.bench.serve import BenchServeConfig, BenchServeReport, ServerNotReady, run_bench_serve
+from tokenline.bench.serve import wait_healthy as bench_wait_healthy
 
 POLICIES = ("round_robin", "least_load", "prefix", "kv_events")
 REFERENCE = "single replica"
@@ -123,20 +124,12 @@ def _end_group(pgid: int, grace_s: float = 5.0) -> None:
 
 def wait_healthy(servers: list[Launched], timeout: float = HEALTH_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5.0) as client:
-        for server in servers:
-            while True:
-                if server.process.poll() is not None:
-                    raise RuntimeError(f"{server.name} exited ({server.process.returncode}); log {server.log}:\n"
-                                       f"{server.log.read_text(errors='replace')[-3000:]}")
-                try:
-                    if client.get(f"{server.url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{server.name} not healthy after {timeout:.0f} s; log {server.log}")
-                time.sleep(0.5)
+    for server in servers:
+        try:
+            bench_wait_healthy(server.url, server.process, timeout=max(0.0, deadline - time.monotonic()))
+        except ServerNotReady as exc:
+            raise RuntimeError(f"{server.name}: {exc}; log {server.log}:\n"
+                               f"{server.log.read_text(errors='replace')[-3000:]}") from exc
 
 
 def serve_args(args: argparse.Namespace, logs: Path, name: str) -> list[str]:

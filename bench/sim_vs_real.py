@@ -34,6 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tokenline.bench.serve import wait_healthy  # noqa: E402
 from tokenline.sim.profile import Profile  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
@@ -114,13 +115,7 @@ def main() -> int:
           "| E2E p50 ms real / sim | at the run's decode / prefill speed: TTFT / TPOT / E2E |")
     print("|---|---|---|---|---|---|---|")
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, server, timeout=300)
         subprocess.run([*TOKENLINE, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len", "16",
                         "--output-len", "4", "--seed", "999"], capture_output=True, cwd=ROOT)  # warm-up
         seed = 100

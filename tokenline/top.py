@@ -255,9 +255,15 @@ def fetch_metrics(client: httpx.Client, url: str, api_key: str | None) -> str:
         response = client.get(url, headers=headers)
     except httpx.HTTPError as exc:
         raise TopError(f"cannot reach {url}: {exc}") from exc
+    return metrics_text(url, response)
+
+
+def metrics_text(url: str, response: httpx.Response, key_flag: str = "--api-key") -> str:
+    """The body of a ``/metrics`` answer, or ``TopError`` saying why not (a refused key names the
+    flag that passes one, ``key_flag``)."""
     if response.status_code in (401, 403):
         raise TopError(f"{url} answered {response.status_code}: pass a key allowed to read /metrics with "
-                       "--api-key (tokenline's default: an admin key)")
+                       f"{key_flag} (tokenline's default: an admin key)")
     if response.status_code != 200:
         raise TopError(f"{url} answered {response.status_code}: {response.text[:200]}")
     return response.text

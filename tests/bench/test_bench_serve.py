@@ -269,3 +269,17 @@ def test_cli_writes_json(fake_server: tuple[str, FakeState], tokenizer_dir: Path
         for stat in ("mean", "p50", "p90", "p99"):
             assert isinstance(data[f"{stat}_{metric}_ms"], float), (stat, metric)
     assert (data["completed"], data["failed"], data["seed"], data["concurrency"]) == (4, 0, 3, 2)
+
+
+def test_wait_healthy_says_when_the_server_exited_or_never_answered() -> None:
+    import subprocess
+    import sys
+
+    from tokenline.bench.serve import ServerNotReady, wait_healthy
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    with pytest.raises(ServerNotReady, match=r"exited \(0\)"):
+        wait_healthy("http://127.0.0.1:9", exited, timeout=30)
+    with pytest.raises(ServerNotReady, match="not healthy after 0 s"):
+        wait_healthy("http://127.0.0.1:9", timeout=0.2, interval=0.05)

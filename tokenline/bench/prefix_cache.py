@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenline.top import counter_delta, metrics_url
+from tokenline.top import TopError, counter_delta, metrics_text, metrics_url
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -101,13 +101,12 @@ async def scrape_prefix_counters(client: httpx.AsyncClient, urls: list[str],
             response = await client.get(url, headers=headers)
         except httpx.HTTPError as exc:
             raise ScrapeError(f"cannot reach {url}: {exc}") from exc
-        if response.status_code in (401, 403):
-            raise ScrapeError(f"{url} answered {response.status_code}: pass a key allowed to read /metrics "
-                              "(--metrics-api-key; tokenline's default: an admin key)")
-        if response.status_code != 200:
-            raise ScrapeError(f"{url} answered {response.status_code}")
-        scrape.totals += parse_prefix_counters(url, response.text)
-        scrape.upstreams += parse_upstream_counters(url, response.text)
+        try:
+            text = metrics_text(url, response, key_flag="--metrics-api-key")
+        except TopError as exc:
+            raise ScrapeError(str(exc)) from exc
+        scrape.totals += parse_prefix_counters(url, text)
+        scrape.upstreams += parse_upstream_counters(url, text)
     return scrape
 
 

@@ -18,6 +18,7 @@ import asyncio
 import json
 import math
 import random
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -396,6 +397,29 @@ def load_tokenizer(tokenizer_dir: str | Path | None) -> Any:
     from tokenline.model.model_store import resolve_model
 
     return Tokenizer.from_dir(tokenizer_dir if tokenizer_dir is not None else resolve_model(None))
+
+
+class ServerNotReady(RuntimeError):
+    """A server started for a benchmark exited, or did not answer ``/health`` in time."""
+
+
+def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout: float = 180.0,
+                 interval: float = 0.5) -> None:
+    """Poll ``url``/health until it answers 200. Raises ``ServerNotReady`` when ``process`` exits
+    first or the time is up (callers add their log's tail)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=min(5.0, max(1.0, interval * 4))) as client:
+        while True:
+            if process is not None and process.poll() is not None:
+                raise ServerNotReady(f"the server at {url} exited ({process.returncode})")
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerNotReady(f"the server at {url} was not healthy after {timeout:.0f} s")
+            time.sleep(interval)
 
 
 async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:

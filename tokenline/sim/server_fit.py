@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tokenline.bench.serve import BenchServeConfig, BenchServeReport, run_bench_serve
+from tokenline.bench.serve import BenchServeConfig, BenchServeReport, ServerNotReady, run_bench_serve, wait_healthy
 from tokenline.sim.step_model import StepFeatures, StepModel, robust_lstsq
 
 BUSY_GAP_S = 0.05  # a longer gap before the next step: the engine was idle, waiting for a request
@@ -126,19 +126,12 @@ def measure_server(model_dir: Path, dtype: str, threads: int | None, model: Step
             argv += ["--threads-per-engine", str(threads)]
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         try:
-            deadline = time.monotonic() + startup_timeout_s
-            while True:
-                if server.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"the calibration server exited: {log.read().decode(errors='replace')[-2000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the calibration server did not start in {startup_timeout_s:.0f} s")
-                time.sleep(0.3)
+            try:
+                wait_healthy(url, server, timeout=startup_timeout_s, interval=0.3)
+            except ServerNotReady as exc:
+                log.seek(0)
+                raise RuntimeError(f"the calibration server: {exc}: {log.read().decode(errors='replace')[-2000:]}") \
+                    from exc
             base = BenchServeConfig(base_url=url, input_len=96, output_len=12, tokenizer_dir=str(model_dir))
             asyncio.run(run_bench_serve(BenchServeConfig(**{**base.__dict__, "num_prompts": 2, "output_len": 2,
                                                             "seed": 7})))  # warm-up
