@@ -62,6 +62,12 @@ class CausalLM(nn.Module, ABC):
         """One cache per layer: ``num_blocks`` paged KV blocks and ``num_state_slots`` state slots,
         whose sizes :meth:`kv_bytes_per_token` and :meth:`state_bytes_per_sequence` state."""
 
+    # -- multi-token prediction --------------------------------------------------------------------
+
+    def enable_mtp(self) -> None:
+        """Build the model's own draft head for ``--speculative mtp`` (families that have one override this)."""
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction head")
+
     # -- weights ----------------------------------------------------------------------------------
 
     def checkpoint_name(self, name: str) -> str | None:

@@ -9,6 +9,7 @@ import torch
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import CausalLM
 from tokenline.model.layers import prepare_for_inference
+from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
 from tokenline.model.registry import model_class
 from tokenline.model.weights import iter_safetensors
 
@@ -24,11 +25,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, mtp: bool = False
+) -> CausalLM:
+    """``mtp``: also build and load the checkpoint's multi-token-prediction head (``--speculative mtp``)."""
+    if mtp:
+        check_mtp_checkpoint(model_dir, config)  # a clear error, not a list of missing weights
     # Build on the meta device so no time is spent initialising weights we overwrite anyway; the
     # loader then fills every parameter (and fails on any it cannot).
     with torch.device("meta"):
         model = model_class(config.architecture)(config)
+        if mtp:
+            model.enable_mtp()
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(iter_safetensors(model_dir))
     prepare_for_inference(model)

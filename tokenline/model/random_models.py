@@ -21,13 +21,16 @@ QWEN3_5_ENDOFTEXT_ID = 248_044
 QWEN3_5_IM_END_ID = 248_046
 
 
-def make_qwen3_5_tiny(out_dir: Path, seed: int = 0) -> None:
+def make_qwen3_5_tiny(out_dir: Path, seed: int = 0, mtp_layers: int = 1) -> None:
     """Write a 4-layer Qwen3.5 hybrid (3 Gated DeltaNet layers, then 1 gated full-attention layer).
 
     Shapes are small but keep every structural feature of the real models: grouped value heads in
     the DeltaNet (4 value heads on 2 key heads), GQA and partial rotary (a quarter of the head) in
     full attention, the attention output gate, tied embeddings and the padded vocabulary (the real
     Qwen3.5 tokenizer, ``frontend.qwen_vocab.build_qwen_tokenizer``, knows 248,077 of its ids).
+    With ``mtp_layers`` > 0 the checkpoint also carries a multi-token-prediction head under
+    ``mtp.*``, as the real ones do (:func:`add_qwen3_5_mtp_weights`); the text model's weights do
+    not depend on it.
     """
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -54,8 +57,50 @@ def make_qwen3_5_tiny(out_dir: Path, seed: int = 0) -> None:
         pad_token_id=QWEN3_5_ENDOFTEXT_ID,
     )
     _save_random(lambda: Qwen3_5ForCausalLM(config), Path(out_dir), seed)
+    if mtp_layers:
+        add_qwen3_5_mtp_weights(Path(out_dir), mtp_layers, seed)
     generation = {"eos_token_id": QWEN3_5_IM_END_ID, "pad_token_id": QWEN3_5_ENDOFTEXT_ID}
     (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def add_qwen3_5_mtp_weights(out_dir: Path, num_layers: int = 1, seed: int = 0) -> None:
+    """Add seeded random MTP weights to a saved Qwen3.5 checkpoint, in the real layout.
+
+    Real Qwen3.5 / Qwen3-Next checkpoints keep the multi-token-prediction head beside the text
+    model: ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` (zero-centred norms),
+    ``mtp.fc`` [hidden, 2 * hidden], ``mtp.layers.{i}.*`` (full-attention decoder layers, named as
+    the text model's) and ``mtp.norm``; the embedding and the LM head are the text model's. The
+    config says how many layers with ``mtp_num_hidden_layers``.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    config_path = out_dir / "config.json"
+    raw = json.loads(config_path.read_text())
+    config = Qwen3_5TextConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+    full = config.layer_types.index("full_attention")  # an index whose layer type is full attention
+    torch.manual_seed(seed + 1)  # its own stream: the text model's weights stay what they were
+    hidden = config.hidden_size
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(num_layers):
+        layer = Qwen3_5DecoderLayer(config, full).to(torch.float32)
+        for name, param in layer.state_dict().items():
+            tensors[f"mtp.layers.{i}.{name}"] = param.detach().clone()
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.zeros(hidden)
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+    for name, tensor in tensors.items():
+        if name.endswith("norm.weight"):  # perturbed like the text model's (see _save_random)
+            tensor.add_(0.1 * torch.randn_like(tensor))
+        elif tensor.dim() == 2 and name != "mtp.fc.weight":
+            tensor.normal_(0.0, 0.02)  # HF's initializer range; a bare layer is left uninitialised
+    path = out_dir / "model.safetensors"
+    weights = load_file(str(path))
+    weights.update({name: t.contiguous() for name, t in tensors.items()})
+    save_file(weights, str(path), metadata={"format": "pt"})
+    raw["mtp_num_hidden_layers"] = num_layers
+    config_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
 def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
