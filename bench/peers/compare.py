@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
-"""Benchmark tokenline against peer servers (vLLM CPU, llama.cpp) with one client and one workload.
+"""Benchmark tokenline against peer servers (vLLM CPU, llama.cpp) with the same clients and workload.
 
 For each system in turn (one server at a time) this script:
   1. launches the server on 127.0.0.1 (its own session, so its whole process tree is its own),
   2. times cold start: launch -> first ``GET /health`` that answers 200,
   3. samples the server's process tree RSS (sum over the tree, from /proc) until it stops,
-  4. runs the sweep through ``tokenline bench serve`` subprocesses: input 256, output 128 with
-     ignore_eos, concurrency 1 (16 prompts), 8 (32), 32 (64), each with its own seed, then a
-     shared-prefix scenario,
-  5. stops the server by pid (SIGTERM, then SIGKILL for whatever of its tree is left),
-and finally writes ``<out>/table.md`` and ``<out>/results.json`` (default out: bench-results/peers).
+  4. runs every scenario (input 256, output 128, ignore_eos, concurrency 1, 8, 32; batch-1 decode
+     32 in / 256 out) with each client in turn: ``vllm bench serve`` (vLLM's own client, from the
+     vLLM peer's venv) and ``tokenline bench serve``, every run with a seed of its own (fresh prompts),
+  5. around each run, reads /proc to tell the CPU other processes took (``tokenline.bench.neighbour_cpu``)
+     and rejects the run when that is over ``--max-neighbour-cpu`` % of the machine (``--retry N``
+     reruns it, with a fresh seed),
+  6. stops the server by pid (SIGTERM, then SIGKILL for whatever of its tree is left),
+and finally writes ``<out>/table.md`` (issue 17's table per client, ratios tokenline / vLLM, every
+run) and ``<out>/results.json`` (default out: bench-results/peers).
 
 Peers live in their own venvs under $TOKENLINE_PEERS_DIR (default /tmp/tokenline-peers), made by
 bench/peers/install_vllm.sh and install_llamacpp.sh; they are never tokenline's dependencies.
-Standard library + httpx only; run it with tokenline's venv python:
+Run it with tokenline's venv python (it imports no torch):
 
-    .venv/bin/python bench/peers/compare.py [--systems tokenline,llamacpp,vllm] [--quick]
+    .venv/bin/python bench/peers/compare.py [--systems tokenline,llamacpp,vllm] [--clients vllm,tokenline]
 """
 
 from __future__ import annotations
@@ -30,11 +34,30 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when loaded by path (tests)
+
+from peer_clients import (
+    CLIENTS,
+    Workload,
+    parse_result,
+    tokenline_bench_argv,
+    vllm_bench_argv,
+)
+from peer_report import render_report
+
+from tokenline.bench.neighbour_cpu import (
+    neighbour_cpu,
+    read_processes,
+    snapshot,
+    tree_pids,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -46,14 +69,30 @@ SYSTEMS = ("tokenline", "tokenline-ngram", "llamacpp", "vllm")
 
 INPUT_LEN = 256
 OUTPUT_LEN = 128
-# (name, concurrency, prompts, seed, shared prefix len); the seeds match bench/serve_sweep.sh.
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    concurrency: int
+    num_prompts: int
+    seed: int  # the first run's; every run adds its own offset (see run_seed)
+    shared_prefix_len: int = 0
+    input_len: int = INPUT_LEN
+    output_len: int = OUTPUT_LEN
+
+
+# The base seeds match bench/serve_sweep.sh.
 SCENARIOS = [
-    ("c1", 1, 16, 101, 0),
-    ("c8", 8, 32, 108, 0),
-    ("c32", 32, 64, 132, 0),
-    ("prefix-c8", 8, 32, 208, 192),  # every prompt shares its first 192 of 256 tokens
+    Scenario("c1", 1, 16, 101),
+    Scenario("c8", 8, 32, 108),
+    Scenario("c32", 32, 64, 132),
+    Scenario("decode", 1, 8, 301, input_len=32, output_len=256),  # batch-1 decode: short prompt, long answer
+    Scenario("prefix-c8", 8, 32, 208, shared_prefix_len=192),  # every prompt shares its first 192 of 256 tokens
 ]
-QUICK_PROMPTS = {"c1": 2, "c8": 8, "c32": 32, "prefix-c8": 8}
+DEFAULT_SCENARIOS = ("c1", "c8", "c32", "decode")  # issue 17's table; prefix-c8 on request
+QUICK_PROMPTS = {"c1": 2, "c8": 8, "c32": 32, "decode": 2, "prefix-c8": 8}
+DEFAULT_MAX_NEIGHBOUR_CPU = 5.0  # % of the machine: on 2 cores, a tenth of one core
 
 HEALTH_TIMEOUT_S = 600.0  # vLLM CPU takes ~90 s; a first llama.cpp/tokenline start is seconds
 RUN_TIMEOUT_S = 3600.0  # one `tokenline bench serve` subprocess
@@ -63,35 +102,6 @@ RSS_INTERVAL_S = 0.2
 
 # --------------------------------------------------------------------------------------------------
 # /proc: the process tree and its RSS
-
-
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, start time in clock ticks) for every process."""
-    table: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue  # gone meanwhile
-        fields = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and parens
-        table[int(entry)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def _tree(root: int, table: dict[int, tuple[int, int]]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    out, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        if pid in table:
-            out.append(pid)
-            stack.extend(children.get(pid, ()))
-    return out
 
 
 def _rss_bytes(pid: int) -> int:
@@ -122,12 +132,12 @@ class TreeSampler(threading.Thread):
         self._lock = threading.Lock()
 
     def sample(self) -> int:
-        table = _proc_table()
-        pids = _tree(self.root, table)
+        table = read_processes()
+        pids = tree_pids(self.root, table)
         total = sum(_rss_bytes(pid) for pid in pids)
         with self._lock:
             for pid in pids:
-                self.seen[pid] = table[pid][1]
+                self.seen[pid] = table[pid].start_ticks
             if total > self.peak:
                 self.peak, self.peak_procs = total, len(pids)
             self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), total)
@@ -148,9 +158,9 @@ class TreeSampler(threading.Thread):
 
     def alive_seen(self) -> list[int]:
         """Processes seen in the tree that still run (same pid and start time: not a reused pid)."""
-        table = _proc_table()
+        table = read_processes()
         with self._lock:
-            return [pid for pid, start in self.seen.items() if pid in table and table[pid][1] == start]
+            return [pid for pid, start in self.seen.items() if pid in table and table[pid].start_ticks == start]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,28 +326,94 @@ def stop_server(proc: subprocess.Popen, sampler: TreeSampler, log) -> None:
             pass
 
 
-def run_client(base_url: str, scenario: tuple, prompts: int, out_json: Path, model: str | None) -> dict[str, Any]:
-    name, concurrency, _, seed, prefix = scenario
-    argv = [str(TOKENLINE), "bench", "serve", "--base-url", base_url, "--concurrency", str(concurrency),
-            "--num-prompts", str(prompts), "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
-            "--seed", str(seed), "--shared-prefix-len", str(prefix), "--timeout", "600",
-            "--output-json", str(out_json)]
-    if model:
-        argv += ["--model", model]
-    t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    out_json.with_suffix(".txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out_json.exists():
-        return {"error": f"bench serve exited {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}",
-                "wall_s": time.monotonic() - t0}
-    return json.loads(out_json.read_text())
+@dataclass(frozen=True)
+class ClientSetup:
+    """What the clients need besides the server: the tokenizer vLLM's client builds prompts with (the
+    default model's HF dir; every system serves that model) and the vLLM peer's python."""
+
+    tokenizer: str
+    vllm_python: str
+    timeout_s: float = RUN_TIMEOUT_S
 
 
-def run_system(system: System, port: int, out: Path, scenarios: list[tuple], quick: bool) -> dict[str, Any]:
+def run_seed(scenario: Scenario, client: str, attempt: int) -> int:
+    """A seed per (scenario, client, attempt), the same for every system: no run's prompts repeat an
+    earlier run's on the same server, so none is served from the prefix cache."""
+    return scenario.seed + 1000 * attempt + 500 * CLIENTS.index(client)
+
+
+def client_argv(client: str, setup: ClientSetup, base_url: str, work: Workload, result_path: Path,
+                model: str | None) -> list[str]:
+    if client == "vllm":
+        return vllm_bench_argv(setup.vllm_python, base_url, setup.tokenizer, work, result_path, model)
+    return tokenline_bench_argv(str(TOKENLINE), base_url, work, result_path, model)
+
+
+def run_client(client: str, setup: ClientSetup, base_url: str, server_pid: int, work: Workload,
+               result_path: Path, model: str | None) -> dict[str, Any]:
+    """One client run between two /proc snapshots: its figures (None when it failed) and the CPU that
+    the server, the client, this harness and everything else took meanwhile."""
+    argv = client_argv(client, setup, base_url, work, result_path, model)
+    result_path.unlink(missing_ok=True)
+    before = snapshot(server_pid)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=setup.timeout_s, check=False,
+                              cwd=result_path.parent)
+        output, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output, code = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {setup.timeout_s:.0f} s", None
+    after = snapshot(server_pid)
+    result_path.with_suffix(".txt").write_text(" ".join(argv[:2] + ["<vllm cli>"] + argv[3:] if client == "vllm"
+                                                        else argv) + "\n\n" + str(output))
+    record: dict[str, Any] = {"argv": argv, "neighbour": neighbour_cpu(before, after).to_dict(), "metrics": None,
+                              "reason": ""}
+    if code != 0 or not result_path.exists():
+        tail = str(output).strip().splitlines()[-3:]
+        record["reason"] = f"{client} client exited {code}: {' / '.join(tail)[-300:]}"
+        return record
+    metrics = parse_result(client, json.loads(result_path.read_text()))
+    record["metrics"] = metrics.to_dict()
+    if metrics.completed < metrics.num_prompts:
+        record["reason"] = f"{metrics.num_prompts - metrics.completed} request(s) failed: {metrics.first_error}"
+    return record
+
+
+def judge(record: dict[str, Any], max_neighbour_cpu: float) -> dict[str, Any]:
+    """Sets ``verdict``: error (no figures or failed requests), rejected (neighbours over the
+    threshold, in % of the machine), else accepted."""
+    share = (record.get("neighbour") or {}).get("neighbour_share")
+    if record.get("metrics") is None or record.get("reason"):
+        record["verdict"] = "error"
+    elif share is None or 100 * share > max_neighbour_cpu:
+        record["verdict"] = "rejected"
+        record["reason"] = ("neighbours unknown" if share is None
+                            else f"neighbours took {100 * share:.1f} % > {max_neighbour_cpu:g} %")
+    else:
+        record["verdict"] = "accepted"
+    return record
+
+
+def measure_with_retry(run_once: Callable[[int], dict[str, Any]], max_neighbour_cpu: float,
+                       retries: int) -> list[dict[str, Any]]:
+    """Runs ``run_once(attempt)`` until an attempt is accepted or ``retries`` reruns are spent. Every
+    attempt is kept (the report shows them all); an error is not retried (it is not noise)."""
+    attempts = []
+    for attempt in range(retries + 1):
+        record = judge(run_once(attempt), max_neighbour_cpu)
+        record["attempt"] = attempt
+        attempts.append(record)
+        if record["verdict"] != "rejected":
+            break
+    return attempts
+
+
+def run_system(system: System, port: int, out: Path, scenarios: list[Scenario], clients: list[str],
+               setup: ClientSetup, prompts: Callable[[Scenario], int], max_neighbour_cpu: float,
+               retries: int) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{port}"
     log_path = out / f"{system.name}-server.log"
     result: dict[str, Any] = {"system": system.name, "version": system.version, "model": system.model_note,
-                              "argv": system.argv, "env": system.env, "runs": {}}
+                              "argv": system.argv, "env": system.env, "runs": []}
     print(f"== {system.name}: {' '.join(system.argv)}", flush=True)
     env = {**os.environ, **system.env}
     with open(log_path, "w") as log:
@@ -359,21 +435,21 @@ def run_system(system: System, port: int, out: Path, scenarios: list[tuple], qui
             sampler.sample()
             result["idle_rss_bytes"] = sampler.phase_peaks.get("startup", 0)
             for scenario in scenarios:
-                name = scenario[0]
-                prompts = QUICK_PROMPTS[name] if quick else scenario[2]
-                sampler.set_phase(name)
-                t0 = time.monotonic()
-                report = run_client(base_url, scenario, prompts, out / f"{system.name}-{name}.json", system.model)
-                report["scenario"] = name
-                report["wall_s"] = time.monotonic() - t0
-                result["runs"][name] = report
-                if "error" in report:
-                    print(f"  {name}: {report['error']}", flush=True)
-                else:
-                    print(f"  {name}: {report['completed']}/{report['num_prompts']} ok, "
-                          f"{report['output_throughput']:.1f} out tok/s, "
-                          f"TTFT p50 {report['p50_ttft_ms']:.0f} ms, TPOT p50 {report['p50_tpot_ms']:.1f} ms "
-                          f"({report['wall_s']:.0f} s)", flush=True)
+                for client in clients:
+                    sampler.set_phase(f"{scenario.name}-{client}")
+
+                    def once(attempt: int, scenario: Scenario = scenario, client: str = client) -> dict[str, Any]:
+                        seed = run_seed(scenario, client, attempt)
+                        work = Workload(scenario.concurrency, prompts(scenario), scenario.input_len,
+                                        scenario.output_len, seed, scenario.shared_prefix_len)
+                        path = out / f"{system.name}-{scenario.name}-{client}-{attempt}.json"
+                        record = run_client(client, setup, base_url, proc.pid, work, path, system.model)
+                        record.update(scenario=scenario.name, client=client, seed=seed, result_json=path.name)
+                        return record
+
+                    for record in measure_with_retry(once, max_neighbour_cpu, retries):
+                        result["runs"].append(record)
+                        print("  " + _run_line(record), flush=True)
         finally:
             sampler.set_phase("shutdown")
             stop_server(proc, sampler, log)
@@ -386,170 +462,122 @@ def run_system(system: System, port: int, out: Path, scenarios: list[tuple], qui
     return result
 
 
-# --------------------------------------------------------------------------------------------------
-# the table
+def _run_line(record: dict[str, Any]) -> str:
+    head = f"{record['scenario']} {record['client']} #{record['attempt']} (seed {record['seed']}): "
+    n = record["neighbour"]
+    cpu = (f"neighbours {100 * n['neighbour_share']:.1f} % (server {n['server_s']:.1f} s, client "
+           f"{n['client_s']:.1f} s CPU over {n['wall_s']:.1f} s)")
+    m = record.get("metrics")
+    if not m:
+        return head + f"{record['verdict']}: {record['reason']}; {cpu}"
+    figures = (f"{m['completed']}/{m['num_prompts']} ok, {m['output_throughput']:.1f} out tok/s, TTFT p50 "
+               f"{m['ttft_p50_ms'] or 0:.0f} ms, TPOT p50 {m['tpot_p50_ms'] or 0:.1f} ms")
+    return head + f"{figures}; {cpu}: {record['verdict']}" + (f" ({record['reason']})" if record["reason"] else "")
 
 
-METRICS = [  # (column, key in the bench serve JSON, format, higher is better)
-    ("out tok/s", "output_throughput", ".1f", True),
-    ("req/s", "request_throughput", ".2f", True),
-    ("TTFT p50 ms", "p50_ttft_ms", ".0f", False),
-    ("TTFT p99 ms", "p99_ttft_ms", ".0f", False),
-    ("TPOT p50 ms", "p50_tpot_ms", ".1f", False),
-    ("TPOT p99 ms", "p99_tpot_ms", ".1f", False),
-]
-
-
-def _fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _ratio(a: Any, b: Any) -> str:
-    if a is None or b is None or b == 0:
-        return "-"
-    return f"{a / b:.2f}"
-
-
-def render_table(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
-    names = list(results)
-    lines = [
-        "# tokenline vs peers",
-        "",
-        f"{meta['when']} on {meta['host']} ({meta['cpus']} CPUs), client `tokenline bench serve` "
-        f"(`/v1/completions`, token-id prompts, stream, ignore_eos, temperature 0), input {INPUT_LEN}, "
-        f"output {OUTPUT_LEN}{', **quick mode (fewer prompts)**' if meta['quick'] else ''}. "
-        "One server at a time; the client shares the CPUs with the server.",
-        "",
-        "## Servers",
-        "",
-        "| system | version | model | cold start s | peak RSS MiB | RSS after start MiB |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for name in names:
-        r = results[name]
-        rss = r.get("peak_rss_bytes")
-        idle = r.get("idle_rss_bytes")
-        lines.append(f"| {name} | {r.get('version', '')} | {r.get('model', '')} | {_fmt(r.get('cold_start_s'), '.1f')} | "
-                     f"{_fmt(rss / 2**20 if rss else None, '.0f')} | {_fmt(idle / 2**20 if idle else None, '.0f')} |")
-    for name in names:
-        if "error" in results[name]:
-            lines.append(f"\n**{name}: {results[name]['error']}**")
-
-    lines += ["", "## Load", "",
-              "| scenario | c | prompts | system | ok | " + " | ".join(m[0] for m in METRICS) + " |",
-              "|---|---:|---:|---|---:|" + "---:|" * len(METRICS)]
-    scenarios = [s[0] for s in SCENARIOS]
-    for sc in scenarios:
-        for name in names:
-            run = results[name].get("runs", {}).get(sc)
-            if run is None:
-                continue
-            if "error" in run:
-                lines.append(f"| {sc} | | | {name} | error: {run['error'][:80]} |" + " |" * len(METRICS))
-                continue
-            prefix = f" (prefix {run['shared_prefix_len']})" if run.get("shared_prefix_len") else ""
-            cells = [_fmt(run.get(key), spec) for _, key, spec, _ in METRICS]
-            lines.append(f"| {sc}{prefix} | {run['concurrency']} | {run['num_prompts']} | {name} | "
-                         f"{run['completed']}/{run['num_prompts']} | " + " | ".join(cells) + " |")
-
-    peers = [n for n in names if not n.startswith("tokenline")]
-    for ours in [n for n in names if n.startswith("tokenline") and n in results]:
-        if not peers:
-            break
-        lines += ["", f"## {ours} / peer", "",
-                  f"Throughput: > 1 means {ours} is faster. Latency, RSS and cold start: < 1 means {ours} "
-                  "is lower (better).", "",
-                  "| scenario | peer | " + " | ".join(m[0] for m in METRICS) + " |",
-                  "|---|---|" + "---:|" * len(METRICS)]
-        tl = results[ours]
-        for sc in scenarios:
-            a = tl.get("runs", {}).get(sc)
-            for peer in peers:
-                b = results[peer].get("runs", {}).get(sc)
-                if not a or not b or "error" in a or "error" in b:
-                    continue
-                cells = [_ratio(a.get(key), b.get(key)) for _, key, _, _ in METRICS]
-                lines.append(f"| {sc} | {peer} | " + " | ".join(cells) + " |")
-        lines += ["", "| peer | cold start | peak RSS |", "|---|---:|---:|"]
-        for peer in peers:
-            b = results[peer]
-            lines.append(f"| {peer} | {_ratio(tl.get('cold_start_s'), b.get('cold_start_s'))} | "
-                         f"{_ratio(tl.get('peak_rss_bytes'), b.get('peak_rss_bytes'))} |")
-
-    lines += ["", "## Notes", "",
-              "- Peak RSS: the sum of VmRSS over the server's process tree, sampled every "
-              f"{RSS_INTERVAL_S:g} s from /proc (start-up and load). Cold start: launch until `GET /health` "
-              "answers 200 (includes model load and any warm-up/compilation).",
-              "- tokenline and vLLM serve the bfloat16 HF weights; llama.cpp serves the original Q4_1 GGUF "
-              "(less memory traffic per token, different numerics).",
-              "- RSS includes each server's KV cache as configured: tokenline's default 2 GiB (left untouched, so not resident, until used, when its C decode kernel is in use), vLLM's "
-              "VLLM_CPU_KVCACHE_SPACE=4 GiB, llama.cpp's -c 16384 (f16, allocated as used). A sum of RSS "
-              "over processes counts pages they share (libraries, shared memory) once per process.",
-              "- llama.cpp runs with --no-repack unless compare.py got --llamacpp-repack (its AMX kernels die "
-              "with SIGILL where the CPU advertises AMX that the VM does not allow; see bench/peers/README.md).",
-              "- Command lines and environments: results.json (`argv`, `env`); per-run JSON and server logs "
-              "lie beside this file.", ""]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, run in this order")
+    p.add_argument("--clients", default=",".join(CLIENTS),
+                   help="comma-separated, run in this order on every scenario (vllm: `vllm bench serve` from "
+                        "the vLLM peer's venv; tokenline: `tokenline bench serve`)")
     p.add_argument("--quick", action="store_true", help="fewer prompts per scenario (a smoke test)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per run, every scenario (a smoke test)")
     p.add_argument("--out", default=str(REPO / "bench-results" / "peers"))
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                    help="CPU threads for llama.cpp (-t) and vLLM (VLLM_CPU_OMP_THREADS_BIND=0-N-1)")
     p.add_argument("--llamacpp-repack", action="store_true",
                    help="don't pass --no-repack to llama-server (only where its AMX/repack kernels run)")
-    p.add_argument("--scenarios", default=",".join(s[0] for s in SCENARIOS),
-                   help=f"subset of {','.join(s[0] for s in SCENARIOS)}")
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                   help=f"subset of {','.join(s.name for s in SCENARIOS)}")
+    p.add_argument("--max-neighbour-cpu", type=float, default=DEFAULT_MAX_NEIGHBOUR_CPU, metavar="PERCENT",
+                   help="reject a run when other processes took more than this share of the machine's CPU "
+                        f"during it (default {DEFAULT_MAX_NEIGHBOUR_CPU:g})")
+    p.add_argument("--retry", type=int, default=0, metavar="N", help="rerun a rejected run up to N times")
     p.add_argument("--render-only", action="store_true", help="rewrite table.md from <out>/results.json")
     args = p.parse_args(argv)
+    args.system_names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    for n in args.system_names:
+        if n not in SYSTEMS:
+            p.error(f"unknown system {n!r}; choose from {', '.join(SYSTEMS)}")
+    args.client_names = [c.strip() for c in args.clients.split(",") if c.strip()]
+    for c in args.client_names:
+        if c not in CLIENTS:
+            p.error(f"unknown client {c!r}; choose from {', '.join(CLIENTS)}")
+    wanted = {s.strip() for s in args.scenarios.split(",") if s.strip()}
+    unknown = wanted - {s.name for s in SCENARIOS}
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {', '.join(s.name for s in SCENARIOS)}")
+    args.scenario_list = [s for s in SCENARIOS if s.name in wanted]
+    if not args.scenario_list or not args.client_names:
+        p.error("no scenario or no client selected")
+    if args.retry < 0 or args.max_neighbour_cpu < 0 or (args.num_prompts is not None and args.num_prompts < 1):
+        p.error("--retry and --max-neighbour-cpu must be >= 0, --num-prompts >= 1")
+    return args
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.render_only:
         saved = json.loads((Path(args.out) / "results.json").read_text())
-        (Path(args.out) / "table.md").write_text(render_table(saved["results"], saved["meta"]))
+        (Path(args.out) / "table.md").write_text(render_report(saved["results"], saved["meta"]))
         print((Path(args.out) / "table.md").read_text())
         return 0
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C: the finally blocks stop the server under test.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-    names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    for n in names:
-        if n not in SYSTEMS:
-            p.error(f"unknown system {n!r}; choose from {', '.join(SYSTEMS)}")
-    wanted = {s.strip() for s in args.scenarios.split(",") if s.strip()}
-    scenarios = [s for s in SCENARIOS if s[0] in wanted]
-    if not scenarios:
-        p.error("no scenario selected")
     if not TOKENLINE.exists():
-        p.error(f"{TOKENLINE} missing: run `make install` first")
+        raise SystemExit(f"{TOKENLINE} missing: run `make install` first")
+    clients = list(args.client_names)
+    vllm_python = PEERS_DIR / "vllm" / "venv" / "bin" / "python"
+    if "vllm" in clients and not (PEERS_DIR / "vllm" / "installed").exists():
+        print(f"client vllm skipped: the vLLM peer is not installed in {vllm_python.parent.parent} "
+              "(bench/peers/install_vllm.sh)", flush=True)
+        clients.remove("vllm")
+        if not clients:
+            raise SystemExit("no client left to run")
+    setup = ClientSetup(tokenizer=hf_model_dir(), vllm_python=str(vllm_python))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    def prompts(scenario: Scenario) -> int:
+        if args.num_prompts:
+            return args.num_prompts
+        return QUICK_PROMPTS[scenario.name] if args.quick else scenario.num_prompts
+
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
-            "cpus": os.cpu_count(), "quick": args.quick, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
-            "scenarios": [dict(zip(("name", "concurrency", "num_prompts", "seed", "shared_prefix_len"), s))
-                          for s in scenarios], "peers_dir": str(PEERS_DIR)}
+            "cpus": os.cpu_count(), "loadavg": _loadavg(), "smoke": bool(args.quick or args.num_prompts),
+            "clients": clients, "max_neighbour_cpu": args.max_neighbour_cpu, "retry": args.retry,
+            "scenarios": [{**s.__dict__, "num_prompts": prompts(s)} for s in args.scenario_list],
+            "peers_dir": str(PEERS_DIR)}
     results: dict[str, dict[str, Any]] = {}
-    for name in names:
+    for name in args.system_names:
         port = args.port or free_port()
         try:
             system = make_system(name, port, args.threads, args.llamacpp_repack)
         except (SystemExit, subprocess.SubprocessError, OSError) as e:
             print(f"== {name}: skipped: {e}", flush=True)
-            results[name] = {"system": name, "error": f"not run: {e}", "runs": {}}
+            results[name] = {"system": name, "error": f"not run: {e}", "runs": []}
             continue
-        results[name] = run_system(system, port, out, scenarios, args.quick)
+        results[name] = run_system(system, port, out, args.scenario_list, clients, setup, prompts,
+                                   args.max_neighbour_cpu, args.retry)
         # Write after every system, so that a later failure keeps what was measured.
         (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        (out / "table.md").write_text(render_table(results, meta))
+        (out / "table.md").write_text(render_report(results, meta))
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    table = render_table(results, meta)
+    table = render_report(results, meta)
     (out / "table.md").write_text(table)
     print(table)
     print(f"wrote {out / 'table.md'} and {out / 'results.json'}")
-    return 1 if any("error" in r for r in results.values()) else 0
+    failed = any("error" in r or any(run["verdict"] == "error" for run in r["runs"]) for r in results.values())
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
