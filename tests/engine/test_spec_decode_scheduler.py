@@ -190,11 +190,30 @@ def test_only_plain_greedy_requests_draft() -> None:
     assert_all_blocks_free(engine)
 
 
-def test_hybrid_models_never_speculate() -> None:
-    engine = make_engine(num_state_slots=4, prefix_caching=False)
-    add(engine, "a", PROMPT)
+def test_hybrid_models_speculate_and_state_checkpoints_never_hold_drafts() -> None:
+    """A hybrid model's sequences draft like any other (the runner rolls the recurrent state back
+    to the accepted tokens); a state checkpoint is planned only up to the last known token, never
+    at a draft's position, even when a block boundary falls among the drafts."""
+    engine = EngineCore(
+        FakeRunner(script={"a": [7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}),  # accepts 7, 8, rejects 9, 10
+        KVCacheManager(64, 4, True, num_state_slots=4, num_checkpoints=8, checkpoint_interval=4),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
+        eos_token_ids=[EOS],
+        check_integrity_every_step=True,
+        proposer=NgramProposer(4, 2, 4),
+    )
+    add(engine, "a", PROMPT, max_tokens=12)
+    add(engine, "b", PROMPT, max_tokens=12)  # unscripted: accepts every draft
     run(engine)
-    assert engine.scheduler.proposer is None and not any(drafted(engine, "a"))
+    assert engine.scheduler.proposer is not None and any(drafted(engine, "a")) and any(drafted(engine, "b"))
+    stats = engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for batch in engine.runner.batches:
+        for seq in batch.seqs:
+            known = seq.num_tokens - len(seq.draft_token_ids)
+            assert all(offset <= known for offset, _ in seq.state_checkpoints), seq
+    saved = engine.kv_cache.checkpoints.stats.saved
+    assert saved > 0
     assert_all_blocks_free(engine)
 
 

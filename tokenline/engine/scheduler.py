@@ -26,7 +26,7 @@ from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
-from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq
+from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
 from tokenline.model.grammar import fill_bitmasks
 
 logger = logging.getLogger("tokenline.engine")
@@ -69,9 +69,9 @@ class Scheduler:
         # Every timestamp the scheduler writes comes from here, so a simulator can drive this very
         # scheduler on simulated time.
         self.clock = clock
-        # A hybrid model's recurrent state absorbs every computed token and cannot take back
-        # rejected drafts, so it never speculates.
-        self.proposer = proposer if kv_cache.num_state_slots == 0 else None
+        # Hybrid models speculate too: the runner keeps their recurrent state after the accepted
+        # drafts only (model/gated_deltanet.py, PendingStates), by the same acceptance rule.
+        self.proposer = proposer
         self.spec_stats = SpecDecodeStats()
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key
         self.running: list[Request] = []
@@ -248,9 +248,7 @@ class Scheduler:
     def _accept(self, drafts: Sequence[int], token: SampledToken) -> list[int]:
         """The drafts the model agrees with, then the model's own token after the last of them."""
         targets = [token.token_id, *token.draft_targets]
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
+        accepted = num_accepted_drafts(drafts, token)
         if drafts:
             self.spec_stats.num_drafts += 1
             self.spec_stats.num_draft_tokens += len(drafts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,10 @@ class PrefillSpan:
     state_slot: int = -1  # hybrid models: the sequence's recurrent-state slot (-1: none)
     # Hybrid models: (tokens into the span, slot) — copy the state there after that many tokens.
     checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    # Hybrid models, speculative decoding: the span ends with draft tokens, so its linear layers
+    # leave the slot as it was and report what commits the state after the accepted ones
+    # (``AttentionMetadata.pending_states``). Attention needs nothing: rejected KV is overwritten later.
+    drafts: bool = False
 
 
 @dataclass
@@ -41,6 +46,9 @@ class AttentionMetadata:
     max_decode_context_len: int = 0
     decode_state_slots: torch.Tensor | None = None  # [D] int64: hybrid models' recurrent-state slots
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Filled by the forward: one ``gated_deltanet.PendingStates`` per linear layer with ``drafts``
+    # spans; the runner commits them once acceptance is known.
+    pending_states: list[Any] = field(default_factory=list)
 
 
 def allocate_kv_cache(

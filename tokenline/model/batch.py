@@ -77,6 +77,17 @@ class SampledToken:
     draft_targets: list[int] = field(default_factory=list)
 
 
+def num_accepted_drafts(drafts: Sequence[int], token: SampledToken) -> int:
+    """How many leading drafts the model agrees with: greedy verification, an exact match with its
+    own token at each position. The scheduler keeps those tokens; the runner keeps hybrid models'
+    recurrent state after them (both from this one rule)."""
+    targets = [token.token_id, *token.draft_targets]
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted
+
+
 class Runner(Protocol):
     """Anything that turns a scheduled batch into one sampled token per sampling sequence (plus,
     for a sequence with draft tokens, the greedy token after each draft)."""

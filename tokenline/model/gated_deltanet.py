@@ -122,11 +122,15 @@ class GatedDeltaNet(nn.Module):
         if num_decode:
             self._decode(mixed[:num_decode], g[:num_decode], beta[:num_decode], positions[:num_decode],
                          state, meta.decode_state_slots, core[:num_decode])
+        spans = [span for span in meta.prefills if not span.drafts]
+        with_drafts = [span for span in meta.prefills if span.drafts]
+        if with_drafts:
+            meta.pending_states.append(self._verify(mixed, g, beta, with_drafts, state, core))
         small = self.num_v_heads * self.head_k_dim * self.head_v_dim <= BATCHED_PREFILL_MAX_STATE
-        if len(meta.prefills) > 1 and small and not (x.is_cuda and _fla_kernels() is not None):
-            self._prefill_batched(mixed, g, beta, meta.prefills, state, core)
+        if len(spans) > 1 and small and not (x.is_cuda and _fla_kernels() is not None):
+            self._prefill_batched(mixed, g, beta, spans, state, core)
         else:
-            for span in meta.prefills:
+            for span in spans:
                 rows = slice(span.start, span.start + span.num_tokens)
                 self._prefill(mixed[rows], g[rows], beta[rows], span, state, core[rows])
 
@@ -264,6 +268,60 @@ class GatedDeltaNet(nn.Module):
                 recurrent_state[checkpoint] = snapshot
         core.index_copy_(0, flat, out)
 
+    def _verify(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        spans: list[PrefillSpan],
+        state: LinearState,
+        core: torch.Tensor,
+    ) -> PendingStates:
+        """Spans that end with draft tokens (a last known token + k drafts each), batched as one
+        chunk of the rule padded to the longest. Their slots are left as they were: the returned
+        record writes the state after the accepted tokens once sampling has decided (rollback).
+
+        Why this shape (bench/hybrid_spec_rollback.py): a chunk's state after any prefix of its
+        tokens is exp(c_t) S0 + (decayed K[:t])^T U[:t], from the same writes U the chunk computes
+        anyway. So keeping the per-token writes (k+1 rows of [heads, dv]) and forming only the
+        accepted state later costs one state-sized update, as the plain step's final state does;
+        keeping k+1 full states (the recurrent form per position) writes k+1 states per layer, and
+        snapshot-then-recompute runs the accepted tokens through the rule a second time.
+        """
+        conv_state, recurrent_state = state
+        history = self.kernel - 1
+        longest = max(span.num_tokens for span in spans)
+        batch = len(spans)
+        windows = mixed.new_zeros(batch, self.conv_dim, history + longest)
+        initial = recurrent_state.new_zeros(batch, *recurrent_state.shape[1:])
+        g_rows = g.new_zeros(batch, longest, self.num_v_heads)
+        beta_rows = beta.new_zeros(batch, longest, self.num_v_heads)
+        for b, span in enumerate(spans):
+            rows = slice(span.start, span.start + span.num_tokens)
+            if span.context_len > span.num_tokens:  # else a one-token prompt: zero state
+                windows[b, :, :history] = conv_state[span.state_slot]
+                initial[b] = recurrent_state[span.state_slot]
+            windows[b, :, history : history + span.num_tokens] = mixed[rows].t()
+            g_rows[b, : span.num_tokens] = g[rows]
+            beta_rows[b, : span.num_tokens] = beta[rows]
+        conv_out = F.silu(F.conv1d(windows.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
+        acts = conv_out.transpose(1, 2).to(mixed.dtype)  # [B, longest, conv_dim]
+        q, k, v = self._split_qkv(acts.reshape(batch * longest, self.conv_dim))
+        shape = (batch, longest)
+        out, writes = gated_delta_rule_with_writes(
+            q.reshape(*shape, *q.shape[1:]), k.reshape(*shape, *k.shape[1:]), v.reshape(*shape, *v.shape[1:]),
+            g_rows, beta_rows, initial,
+        )
+        for b, span in enumerate(spans):
+            core[span.start : span.start + span.num_tokens] = out[b, : span.num_tokens]
+        pending = PendingStates(state, [span.state_slot for span in spans], windows, writes)
+        # Prefix-cache checkpoints inside such a span sit before its drafts (the scheduler plans
+        # them up to the last known token), so they are taken now, never holding a draft.
+        saves = [(b, offset, slot) for b, span in enumerate(spans) for offset, slot in span.checkpoints]
+        if saves:
+            pending.write([b for b, _, _ in saves], [slot for _, _, slot in saves], [n for _, n, _ in saves])
+        return pending
+
 
 def copy_state_slots(state: LinearState, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy one layer's (conv window, recurrent state) from slots ``src`` to slots ``dst``."""
@@ -355,21 +413,8 @@ def _chunked_rule(
     """The chunked rule on normalised float32 inputs laid out [..., H, N, C, d] (g, beta [..., H, N, C])
     from ``state`` [..., H, dk, dv]; returns (out [..., H, N, C, dv], final state, the state after
     each chunk index in ``snapshots``)."""
-    chunk_size, num_chunks = g.shape[-1], g.shape[-2]
-    cum = g.cumsum(-1)  # [..., H, N, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    # decay[t, s] = exp(c_t - c_s) for s <= t; masked before exp so that s > t cannot overflow.
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower triangle is A
-    # unitriangular=True reads only the strict lower triangle and takes the diagonal as 1: I + A.
-    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    state_keys = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
-    )
-    scores = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum.exp()[..., None]
+    num_chunks = g.shape[-2]
+    cum, values, state_keys, scores, q_decayed = _chunk_terms(q, k, v, g, beta)
     k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [..., H, N, 1, 1]
 
@@ -382,6 +427,30 @@ def _chunked_rule(
         if i in snapshots:
             taken[i] = state
     return out, state, taken
+
+
+def _chunk_terms(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state-independent terms of the chunked rule, per chunk (inputs [..., C, d], g, beta
+    [..., C]): the cumulative log-decay c, the solved (I + A)^-1 beta V and (I + A)^-1 beta exp(c) K
+    (so a chunk's writes from state S0 are ``values - state_keys @ S0``), the causal decayed
+    Q K^T and exp(c) Q."""
+    chunk_size = g.shape[-1]
+    cum = g.cumsum(-1)  # [..., C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # decay[t, s] = exp(c_t - c_s) for s <= t; masked before exp so that s > t cannot overflow.
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower triangle is A
+    # unitriangular=True reads only the strict lower triangle and takes the diagonal as 1: I + A.
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * decay
+    return cum, values, state_keys, scores, q * cum.exp()[..., None]
 
 
 def gated_delta_rule_chunked_varlen(
@@ -437,6 +506,76 @@ def gated_delta_rule_chunked_varlen(
     out = out.reshape(batch, num_heads, width, dv).transpose(1, 2).reshape(batch * width, num_heads, dv)
     states = [[taken[i][b] for i in seq_ends] for b, seq_ends in enumerate(ends)]
     return out.index_select(0, rows), final, states
+
+
+@dataclass
+class DeltaWrites:
+    """What one chunk of the rule wrote, per sequence b and token t (all float32): the state it
+    started from, the normalised keys, the writes u_t and the cumulative log-decay c_t. The state
+    after the first n tokens is exp(c_{n-1}) S0 + sum_{t<n} exp(c_{n-1} - c_t) k_t u_t^T."""
+
+    initial: torch.Tensor  # [B, Hv, dk, dv]
+    keys: torch.Tensor  # [B, Hv, L, dk]
+    writes: torch.Tensor  # [B, Hv, L, dv]
+    cum: torch.Tensor  # [B, Hv, L]
+
+    def states_after(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The state of sequence ``rows[i]`` after its first ``counts[i]`` (>= 1) tokens: [len(rows), Hv, dk, dv]."""
+        cum = self.cum.index_select(0, rows)  # [R, Hv, L]
+        last = cum.gather(-1, (counts - 1)[:, None, None].expand(-1, cum.shape[1], 1))  # [R, Hv, 1]
+        kept = torch.arange(cum.shape[-1], device=cum.device)[None, None, :] < counts[:, None, None]
+        # Masked before exp: past the kept tokens c_{n-1} - c_t is positive and could overflow.
+        weights = (last - cum).masked_fill(~kept, float("-inf")).exp()
+        keys = self.keys.index_select(0, rows) * weights[..., None]
+        return (self.initial.index_select(0, rows) * last.exp()[..., None]
+                + keys.transpose(-1, -2) @ self.writes.index_select(0, rows))
+
+
+def gated_delta_rule_with_writes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, initial: torch.Tensor
+) -> tuple[torch.Tensor, DeltaWrites]:
+    """The rule over B short spans as one chunk each (q, k [B, L, Hk, dk], v [B, L, Hv, dv], g, beta
+    [B, L, Hv], initial [B, Hv, dk, dv]; padding rows have g = beta = 0 and write nothing). Returns
+    out [B, L, Hv, dv] and the writes, from which :meth:`DeltaWrites.states_after` forms the state
+    after any prefix; no final state is written."""
+    num_heads = v.shape[-2]
+    q, k = _normalise_qk(q, k, num_heads)
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, Hv, L, d]
+    g, beta = (x.float().transpose(1, 2) for x in (g, beta))  # [B, Hv, L]
+    initial = initial.float()
+    cum, values, state_keys, scores, q_decayed = _chunk_terms(q, k, v, g, beta)
+    writes = values - state_keys @ initial
+    out = q_decayed @ initial + scores @ writes
+    return out.transpose(1, 2), DeltaWrites(initial, k, writes, cum)
+
+
+@dataclass
+class PendingStates:
+    """One linear layer's spans with drafts in a step, their slots still holding the state from
+    before it: :meth:`commit` writes each slot's state after the tokens it keeps (the rollback of
+    rejected drafts). Made by ``GatedDeltaNet._verify``, committed by the runner after sampling."""
+
+    state: LinearState
+    slots: list[int]
+    windows: torch.Tensor  # [B, conv_dim, kernel - 1 + L]: the window carried in, then each token's input
+    writes: DeltaWrites
+
+    def commit(self, kept: dict[int, int]) -> None:
+        """``kept``: slot -> tokens of its span now computed for good (1 + accepted drafts)."""
+        self.write(list(range(len(self.slots))), self.slots, [kept[slot] for slot in self.slots])
+
+    def write(self, rows: list[int], slots: list[int], counts: list[int]) -> None:
+        """Into ``slots[i]``: the state (conv window and recurrent) of span ``rows[i]`` after ``counts[i]`` tokens."""
+        device = self.windows.device
+        rows_t, slots_t, counts_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, slots, counts))
+        conv_state, recurrent_state = self.state
+        history = conv_state.shape[-1]
+        # The conv window after n tokens is the `history` inputs before it: columns n .. n + history.
+        columns = counts_t[:, None] + torch.arange(history, device=device)[None, :]
+        windows = self.windows.index_select(0, rows_t)
+        windows = windows.gather(2, columns[:, None, :].expand(-1, windows.shape[1], -1))
+        conv_state.index_copy_(0, slots_t, windows.to(conv_state.dtype))
+        recurrent_state.index_copy_(0, slots_t, self.writes.states_after(rows_t, counts_t))
 
 
 @functools.cache

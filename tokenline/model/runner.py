@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
-from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, TokenLogprobs
+from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, TokenLogprobs, num_accepted_drafts
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import copy_state_slots
 from tokenline.model.interface import Cache
@@ -79,7 +79,24 @@ class ModelRunner:
         metadata = SamplingMetadata.build(rows, self.sampler.vocab_size, self.device)
         metadata.grammar_rows, metadata.grammar_bitmask = self._grammar_bitmask(sampling_seqs)
         sampled = self.sampler(logits, metadata)
-        return self._to_tokens(sampling_seqs, sampled)
+        tokens = self._to_tokens(sampling_seqs, sampled)
+        if meta.pending_states:
+            self._keep_accepted_states(sampling_seqs, tokens, meta)
+        return tokens
+
+    @staticmethod
+    def _keep_accepted_states(
+        seqs: list[ScheduledSeq], tokens: dict[str, SampledToken], meta: AttentionMetadata
+    ) -> None:
+        """Hybrid models with drafts: the linear layers left those sequences' slots untouched; now
+        that acceptance is known, each slot gets the state after its last known token and the
+        accepted drafts (the scheduler applies the same rule to the tokens: num_accepted_drafts)."""
+        kept = {
+            s.state_slot: 1 + num_accepted_drafts(s.draft_token_ids, tokens[s.request_id])
+            for s in seqs if s.draft_token_ids
+        }
+        for pending in meta.pending_states:
+            pending.commit(kept)
 
     def _prepare(
         self, seqs: list[ScheduledSeq]
@@ -112,7 +129,8 @@ class ModelRunner:
             else:
                 block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
                 inside = [(offset, ckpt) for offset, ckpt in seq.state_checkpoints if offset < n]
-                prefills.append(PrefillSpan(start, n, context_len, block_table, slot, inside))
+                prefills.append(PrefillSpan(start, n, context_len, block_table, slot, inside,
+                                            drafts=bool(seq.draft_token_ids) and seq.state_slot is not None))
             if seq.sample:
                 logits_rows.extend(range(start + n - 1 - len(seq.draft_token_ids), start + n))
                 sampling_seqs.append(seq)
