@@ -49,8 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hybrid-state-checkpoints", type=int, default=None, metavar="N",
                         help="hybrid models: state checkpoint slots (default: 2 x --max-num-seqs, at most half "
                              "of --kv-cache-memory); 0 turns prefix caching off for them")
-    parser.add_argument("--speculative", default=None, choices=["ngram"],
-                        help="speculative decoding for greedy requests; ngram: drafts looked up in the context")
+    parser.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
+                        help="speculative decoding for greedy requests; ngram: drafts looked up in the context; "
+                             "mtp: drafts from the checkpoint's own multi-token-prediction head (hybrid Qwen3.5)")
     parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                         help="most draft tokens per request and step")
     parser.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
@@ -203,6 +204,11 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
     settings.engine.num_kv_blocks = args.num_kv_blocks
     settings.engine.validate()  # a bad engine flag is one line here, not a dead engine process later
+    if settings.engine.speculative == "mtp" and not args.simulate:
+        from tokenline.model.model_store import resolve_model
+        from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
+
+        check_mtp_checkpoint(resolve_model(args.model, progress=False))  # a model without an MTP head: one line
     if args.simulate:
         from tokenline.sim.profile import Profile
         from tokenline.sim.replica import SimulatedReplica

@@ -37,7 +37,9 @@ class EngineConfig:
     hybrid_state_checkpoint_interval: int | None = None
     hybrid_state_checkpoints: int | None = None
     check_integrity_every_step: bool = False
-    speculative: str | None = None  # "ngram": prompt-lookup speculative decoding (greedy requests)
+    # Speculative decoding (greedy requests): "ngram" drafts by prompt lookup, "mtp" with the
+    # checkpoint's own multi-token-prediction head (hybrid Qwen3.5-class models).
+    speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens per request and step
     prompt_lookup_max: int = 4  # longest n-gram the proposer matches
     prompt_lookup_min: int = 2  # shortest
@@ -80,8 +82,8 @@ class EngineConfig:
             raise ValueError(f"hybrid_state_checkpoints must be >= 0, got {self.hybrid_state_checkpoints}")
         if self.num_kv_blocks is None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"speculative must be 'ngram' or unset, got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "mtp"):
+            raise ValueError(f"speculative must be 'ngram', 'mtp' or unset, got {self.speculative!r}")
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
@@ -160,6 +162,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     # Imported here so that the API process, which only needs EngineConfig, never loads torch.
     from tokenline.engine.engine_core import EngineCore
     from tokenline.engine.kv_cache_manager import KVCacheManager
+    from tokenline.engine.mtp_proposer import MtpProposer
     from tokenline.engine.ngram_proposer import NgramProposer
     from tokenline.engine.scheduler import SchedulerConfig
     from tokenline.model.config import ModelConfig
@@ -176,7 +179,8 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, config.device)
-    runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config)
+    mtp_tokens = config.num_speculative_tokens if config.speculative == "mtp" else 0
+    runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config, mtp_tokens)
     # Hybrid models hold one fixed-size recurrent state per running sequence: reserve those slots
     # out of the same memory budget first, the rest goes to KV blocks.
     num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0
@@ -195,9 +199,11 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    proposer = None
+    proposer: NgramProposer | MtpProposer | None = None
     if config.speculative == "ngram":
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.speculative == "mtp":
+        proposer = MtpProposer(config.num_speculative_tokens)  # hands on the runner's MTP drafts
     # Structured output needs the tokenizer's vocabulary (bytes of every id) for its masks.
     tokenizer_path = Path(config.tokenizer or model_dir) / "tokenizer.json"
     grammar_compiler = None
@@ -210,7 +216,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         eos_token_ids=model_config.eos_token_ids,
         device=config.device,
         check_integrity_every_step=config.check_integrity_every_step,
-        proposer=proposer,  # the scheduler drops it for hybrid models
+        proposer=proposer,
         grammar_compiler=grammar_compiler,
         grammar_compile_timeout_s=config.grammar_compile_timeout_s,
     )

@@ -27,6 +27,7 @@ from tokenline.engine.messages import (
     StepRecord,
     TokenLogprobs,
 )
+from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
@@ -56,7 +57,7 @@ class EngineCore:
         eos_token_ids: Iterable[int] = (),
         device: str = "cpu",
         check_integrity_every_step: bool = False,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | MtpProposer | None = None,
         clock: Callable[[], float] = time.monotonic,
         grammar_compiler: GrammarCompiler | None = None,
         grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,

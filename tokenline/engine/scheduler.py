@@ -24,6 +24,7 @@ import numpy as np
 
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
+from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
@@ -61,7 +62,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | MtpProposer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -164,6 +165,13 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
+        if isinstance(self.proposer, MtpProposer):
+            # The MTP head drafts at positions past this step's tokens, writing its own KV there
+            # (model/mtp_drafter.py): room for them from blocks still free, never by preempting.
+            for rid, n in scheduled.items():
+                request = self.requests[rid]
+                if request.num_computed_tokens + n >= request.num_tokens:
+                    self.kv_cache.allocate_slots(request, n + self.proposer.num_speculative_tokens)
         # Hybrid models' state checkpoints are planned once the batch is final (no preemption can
         # take a planned save's sequence out of it any more).
         batch = ScheduledBatch(
@@ -190,6 +198,10 @@ class Scheduler:
                 continue  # a prefill chunk that does not reach the end yet
             token = sampled[seq.request_id]
             new_token_ids = self._accept(seq.draft_token_ids, token)
+            if isinstance(self.proposer, MtpProposer) and token.next_draft_token_ids:
+                # Drafted by the runner to follow the tokens just accepted (before any stop cuts them).
+                known = seq.start_pos + seq.num_tokens - len(seq.draft_token_ids)
+                self.proposer.observe(request.request_id, known + len(new_token_ids), token.next_draft_token_ids)
             reason = None
             for i, token_id in enumerate(new_token_ids):
                 request.token_ids.append(token_id)
@@ -325,6 +337,7 @@ class Scheduler:
             draft_token_ids=drafts,
             restore_state_from=self.kv_cache.take_restore(request.request_id),
             state_checkpoints=self.kv_cache.plan_checkpoints(request, start, end),
+            next_token_id=None if sample else request.token_ids[end],
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -50,6 +50,9 @@ class ScheduledSeq:
     # Structured output: int32 [1 + len(draft_token_ids), ceil(vocab / 32)], one row per sampled
     # position, bit i of a row set when token i is allowed there (model/grammar.py); None: no constraint.
     grammar_bitmask: np.ndarray | None = None
+    # A chunk that does not sample: the known token after it (a draft head, MTP, needs the token
+    # after every position it reads).
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +78,9 @@ class SampledToken:
     # For a sequence with drafts: the greedy token after each draft (the model's own choice at
     # those positions), so [token_id, *draft_targets] is what it picks at each of the 1 + k.
     draft_targets: list[int] = field(default_factory=list)
+    # With a draft head of the model's own (MTP): drafts to follow the tokens this step accepts
+    # (the drafts it agreed with, then token_id / its own token after them), for the next step.
+    next_draft_token_ids: list[int] = field(default_factory=list)
 
 
 def num_accepted_drafts(drafts: Sequence[int], token: SampledToken) -> int:

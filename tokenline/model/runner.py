@@ -17,6 +17,7 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import copy_state_slots
 from tokenline.model.interface import Cache
 from tokenline.model.loader import load_model
+from tokenline.model.mtp_drafter import MtpDrafter
 from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 
 
@@ -29,19 +30,28 @@ class ModelRunner:
         max_model_len: int | None = None,
         vocab_size: int | None = None,
         config: ModelConfig | None = None,
+        mtp_speculative_tokens: int = 0,
     ) -> None:
         self.config = config or ModelConfig.from_dir(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_model_len = max_model_len or self.config.max_position_embeddings
-        self.model = load_model(model_dir, self.config, dtype, self.device)
+        # --speculative mtp: the checkpoint's MTP head drafts inside each step (model/mtp_drafter.py).
+        self.model = load_model(model_dir, self.config, dtype, self.device, mtp=mtp_speculative_tokens > 0)
         # The tokenizer may know fewer ids than the embedding has rows (padded vocabularies).
         self.sampler = Sampler(vocab_size or self.config.vocab_size)
         self.kv_caches: list[Cache] = []
         self.block_size = 0
+        self.mtp: MtpDrafter | None = None
+        if mtp_speculative_tokens:
+            self.mtp = MtpDrafter(self.model, mtp_speculative_tokens, self.sampler.vocab_size,  # type: ignore[arg-type]
+                                  self._prepare)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return type(self.model).kv_bytes_per_token(self.config, self.dtype.itemsize) * block_size
+        per_token = type(self.model).kv_bytes_per_token(self.config, self.dtype.itemsize)
+        if self.mtp is not None:  # the MTP layers' own KV lives in the same blocks
+            per_token += self.mtp.kv_bytes_per_token(self.dtype.itemsize)
+        return per_token * block_size
 
     def state_bytes_per_sequence(self) -> int:
         return type(self.model).state_bytes_per_sequence(self.config, self.dtype.itemsize)
@@ -51,6 +61,8 @@ class ModelRunner:
         of running sequences, then the state checkpoints: the engine numbers them alike)."""
         self.kv_caches = self.model.make_caches(num_blocks, block_size, num_state_slots, self.dtype, self.device)
         self.block_size = block_size
+        if self.mtp is not None:
+            self.mtp.allocate(num_blocks, block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
@@ -69,6 +81,8 @@ class ModelRunner:
         if ends:
             self._copy_states([(src, dst) for dst, src in ends])
         if not sampling_seqs:
+            if self.mtp is not None:
+                self.mtp.draft(seqs, hidden, {})  # prefill chunks: the head's KV keeps up
             return {}
         logits = self.model.compute_logits(hidden[logits_rows])
         rows = []
@@ -82,6 +96,8 @@ class ModelRunner:
         tokens = self._to_tokens(sampling_seqs, sampled)
         if meta.pending_states:
             self._keep_accepted_states(sampling_seqs, tokens, meta)
+        if self.mtp is not None:
+            self.mtp.draft(seqs, hidden, tokens)  # the next step's drafts, from the model's MTP head
         return tokens
 
     @staticmethod

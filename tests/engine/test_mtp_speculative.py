@@ -1,0 +1,195 @@
+"""`--speculative mtp` on the tiny Qwen3.5 hybrid with random MTP weights: float32 greedy tokens are
+the same with and without it (N = 1 and 3, batched, under preemption), the acceptance counters
+agree with what was drafted, and a model without an MTP head is refused with a clear error.
+
+Random MTP weights draft noise, so the target rejects nearly every draft; the oracle test makes
+the head's drafts the target's own continuation (wholly, or up to a planted miss) so the
+accepting branch runs too: accepted drafts, the hybrid state kept after them, the head's KV
+caught up over several positions at once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenline import LLM, SamplingParams
+from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.engine_core import EngineCore
+from tokenline.engine.kv_cache_manager import KVCacheManager
+from tokenline.engine.mtp_proposer import MtpProposer
+from tokenline.engine.scheduler import SchedulerConfig
+from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
+from tokenline.model.batch import SampledToken, ScheduledSeq, num_accepted_drafts
+from tokenline.model.random_models import make_qwen3_5_tiny
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("qwen3_5_tiny_mtp")
+    make_qwen3_5_tiny(out, seed=0, mtp_layers=1)
+    build_qwen_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(0, 248000) for _ in range(n)] for n in (5, 23, 41)]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=4, num_kv_blocks=128, block_size=4)
+    return greedy(llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(model_dir, dtype="float32", max_num_seqs=4, num_kv_blocks=128, block_size=4,
+               speculative="mtp", num_speculative_tokens=3, check_integrity_every_step=True)
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def use_engine(llm: LLM, num_blocks: int, num_speculative_tokens: int, max_seqs: int = 4) -> None:
+    """A fresh engine (books, counters) over the same loaded runner, its pools re-allocated."""
+    runner = llm.engine.runner
+    assert runner.mtp is not None
+    runner.mtp.num_speculative_tokens = num_speculative_tokens
+    runner.allocate_kv_cache(num_blocks, 4, max_seqs)
+    llm.engine = EngineCore(
+        runner,
+        KVCacheManager(num_blocks, 4, False, num_state_slots=max_seqs),
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048, max_model_len=4096),
+        eos_token_ids=runner.config.eos_token_ids,
+        check_integrity_every_step=True,
+        proposer=MtpProposer(num_speculative_tokens),
+    )
+
+
+def test_same_greedy_tokens_with_mtp_drafts(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    # Batched with N = 3 and prefix caching on (the fixture's engine), one at a time with N = 1.
+    assert greedy(llm, prompts) == reference
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_drafts
+    assert 0 <= stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    use_engine(llm, num_blocks=128, num_speculative_tokens=1)
+    assert [greedy(llm, [p])[0] for p in prompts] == reference
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_drafts > 0  # one draft per step
+
+
+def test_same_tokens_under_preemption(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    use_engine(llm, num_blocks=24, num_speculative_tokens=3)  # every prompt fits, not all outputs
+    assert greedy(llm, prompts) == reference
+    assert llm.engine.stats().num_preemptions > 0
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks and kv.state_slots == {}
+
+
+def oracle(
+    llm: LLM, prompts: list[list[int]], reference: list[list[int]], miss_at: Callable[[int], int | None]
+) -> list[tuple[int, int]]:
+    """Make the MTP head's drafts the target's own continuation (the head still runs and its KV
+    catches up as usual), with draft ``miss_at(n)`` (n: output tokens so far) made wrong. Returns,
+    per step that verified drafts, (drafts accepted, drafts the plant says should be)."""
+    drafter = llm.engine.runner.mtp
+    assert drafter is not None
+    real_draft = drafter.draft
+    continuation = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
+    verified: list[tuple[int, int]] = []
+    planted: dict[str, int] = {}  # request id -> drafts that should be accepted
+
+    def draft(seqs: list[ScheduledSeq], hidden: torch.Tensor, sampled: dict[str, SampledToken]) -> None:
+        real_draft(seqs, hidden, sampled)
+        for seq in seqs:
+            token = sampled.get(seq.request_id)
+            if token is None:
+                continue
+            accepted = num_accepted_drafts(seq.draft_token_ids, token)
+            if seq.draft_token_ids:  # the scheduler may have cut the plant to fit max_tokens
+                verified.append((accepted, min(planted.pop(seq.request_id), len(seq.draft_token_ids))))
+            assert len(token.next_draft_token_ids) == drafter.num_speculative_tokens  # the head drafted
+            known = seq.start_pos + seq.num_tokens - len(seq.draft_token_ids)
+            num_out = known + accepted + 1 - len(seq.prompt_token_ids)
+            drafts = continuation[tuple(seq.prompt_token_ids)][num_out : num_out + drafter.num_speculative_tokens]
+            miss = miss_at(num_out)
+            if miss is not None and miss < len(drafts):
+                drafts[miss] = (drafts[miss] + 1) % 1000
+            token.next_draft_token_ids = drafts
+            planted[seq.request_id] = len(drafts) if miss is None else min(miss, len(drafts))
+
+    drafter.draft = draft  # type: ignore[method-assign]
+    return verified
+
+
+def test_drafts_the_target_agrees_with_are_accepted(
+    llm: LLM, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    use_engine(llm, num_blocks=128, num_speculative_tokens=3)
+    verified = oracle(llm, prompts, reference, lambda n: None)
+    try:
+        assert greedy(llm, prompts) == reference
+    finally:
+        del llm.engine.runner.mtp.draft  # back to the class's method
+    stats = llm.engine.stats()
+    assert [a for a, _ in verified] == [b for _, b in verified]
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens == sum(a for a, _ in verified) > 0
+    assert stats.spec_decode_num_drafts == len(verified)
+    # One prefill step, then 1 + 3 tokens a step for the 11 tokens left: 4 steps (12 without drafts).
+    assert stats.num_steps == 4
+
+    # A planted miss at a varying draft: accepted up to it, the hybrid state and the head's KV kept
+    # after the accepted tokens only, and the tokens still the target's own.
+    use_engine(llm, num_blocks=128, num_speculative_tokens=3)
+    verified = oracle(llm, prompts, reference, lambda n: n % 4 if n % 4 < 3 else None)
+    try:
+        assert greedy(llm, prompts) == reference
+    finally:
+        del llm.engine.runner.mtp.draft
+    stats = llm.engine.stats()
+    assert [a for a, _ in verified] == [b for _, b in verified]
+    assert stats.spec_decode_num_accepted_tokens == sum(a for a, _ in verified)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_a_model_without_an_mtp_head_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    config = EngineConfig(dtype="float32", num_kv_blocks=16, speculative="mtp")
+    no_head = tmp_path / "no_head"
+    make_qwen3_5_tiny(no_head, seed=0, mtp_layers=0)
+    with pytest.raises(ValueError, match="states no MTP head"):
+        build_engine_core(config, no_head)
+    stripped = tmp_path / "stripped"  # config names the head, weights stripped (as some quantized copies)
+    make_qwen3_5_tiny(stripped, seed=0, mtp_layers=0)
+    raw = json.loads((stripped / "config.json").read_text())
+    (stripped / "config.json").write_text(json.dumps({**raw, "mtp_num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="no mtp.\\* weights"):
+        build_engine_core(config, stripped)
+    # Without --speculative mtp the same checkpoint loads (the head's weights are skipped).
+    build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=16), model_dir)
+
+
+def test_a_dense_model_is_refused(tmp_path: Path) -> None:
+    from tokenline.model.random_models import make_qwen3_tiny
+
+    make_qwen3_tiny(tmp_path)
+    with pytest.raises(ValueError, match="needs a hybrid Qwen3.5-class model with an MTP head"):
+        build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=16, speculative="mtp"), tmp_path)
+
+
+def test_the_head_kv_counts_in_the_block_size(model_dir: Path, llm: LLM) -> None:
+    plain = build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=16), model_dir).runner
+    # The tiny model has one full-attention layer; the MTP layer adds as much again per block.
+    assert llm.engine.runner.kv_bytes_per_block(4) == 2 * plain.kv_bytes_per_block(4)
