@@ -482,7 +482,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, run in this order on every scenario (vllm: `vllm bench serve` from "
                         "the vLLM peer's venv; tokenline: `tokenline bench serve`)")
     p.add_argument("--quick", action="store_true", help="fewer prompts per scenario (a smoke test)")
-    p.add_argument("--num-prompts", type=int, default=None, help="prompts per run, every scenario (a smoke test)")
+    p.add_argument("--num-prompts", default=None, metavar="N|NAME=N,…",
+                   help="prompts per run: N for every scenario, or per scenario (c1=2,c8=8); a smoke test")
     p.add_argument("--out", default=str(REPO / "bench-results" / "peers"))
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
@@ -512,9 +513,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scenario_list = [s for s in SCENARIOS if s.name in wanted]
     if not args.scenario_list or not args.client_names:
         p.error("no scenario or no client selected")
-    if args.retry < 0 or args.max_neighbour_cpu < 0 or (args.num_prompts is not None and args.num_prompts < 1):
-        p.error("--retry and --max-neighbour-cpu must be >= 0, --num-prompts >= 1")
+    if args.retry < 0 or args.max_neighbour_cpu < 0:
+        p.error("--retry and --max-neighbour-cpu must be >= 0")
+    try:
+        args.prompt_counts = parse_prompt_counts(args.num_prompts, [s.name for s in args.scenario_list])
+    except ValueError as e:
+        p.error(f"--num-prompts: {e}")
     return args
+
+
+def parse_prompt_counts(text: str | None, names: list[str]) -> dict[str, int]:
+    """``--num-prompts``: ``8`` (every scenario) or ``c1=2,c8=8`` (those scenarios)."""
+    if not text:
+        return {}
+    counts: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.rpartition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{part!r}: the count must be a whole number >= 1")
+        if not sep:
+            counts.update(dict.fromkeys(names, int(value)))
+        elif name not in names:
+            raise ValueError(f"{name!r} is not a selected scenario ({', '.join(names)})")
+        else:
+            counts[name] = int(value)
+    return counts
 
 
 def _loadavg() -> str:
@@ -548,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def prompts(scenario: Scenario) -> int:
-        if args.num_prompts:
-            return args.num_prompts
+        if scenario.name in args.prompt_counts:
+            return args.prompt_counts[scenario.name]
         return QUICK_PROMPTS[scenario.name] if args.quick else scenario.num_prompts
 
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
