@@ -42,11 +42,14 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernels unless this exact source was already built for this CPU; return the .so."""
+def build(compiler: str | None = None, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the kernels unless this exact source was already built for this CPU; return the .so.
+    ``source``: another revision of the C file (benchmarks compare against an older kernel);
+    ``extra_flags``: e.g. ``-mno-avx512bf16``, to build and test the portable paths on this CPU."""
     compiler = compiler or os.environ.get("CC", "cc")
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((compiler, *CFLAGS, torch.__version__, _cpu_signature())).encode()
+        source.read_bytes()
+        + " ".join((compiler, *CFLAGS, *extra_flags, torch.__version__, _cpu_signature())).encode()
     ).hexdigest()[:16]
     out_dir = tokenline_home() / "kernels"
     target = out_dir / f"cpu_kernels-{key}.so"
@@ -58,7 +61,7 @@ def build(compiler: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(partial), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"],
+            [compiler, *CFLAGS, *extra_flags, str(source), "-o", str(partial), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"],
             check=True,
             capture_output=True,
             text=True,

@@ -170,6 +170,8 @@ static inline void load_row(const void *base, int64_t index, int64_t n, int dtyp
 }
 
 #if defined(__AVX512F__)
+#define TL_TILE 16       /* tokens per score vector, one lane each */
+#define TL_RESCALE_SLACK 8.0f /* see attend_item */
 #define TL_MAX_DH16 16   /* head_dim / 16 on the vector path (head_dim <= 256) */
 #define TL_MAX_QVEC 256  /* query heads x head_dim / 16 one work item holds in vectors */
 
@@ -181,7 +183,8 @@ static inline __m512 load16(const void *base, int64_t index, int dtype) {
     return _mm512_loadu_ps((const float *)base + index);
 }
 
-/* exp(x) for x <= 0, 16 lanes: the same range reduction and polynomial as exp_nonpositive. */
+/* exp(x) for x <= 0, 16 lanes: the same range reduction and polynomial as exp_nonpositive. Also exact
+ * enough for small positive x (attend_item's slack): the power of two goes through scalef. */
 static inline __m512 exp512_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -197,94 +200,323 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, fi);
 }
 
-/* In-place softmax of n scores. */
-static inline void softmax_avx512(float *s, int64_t n) {
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-        mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, s + t));
+/* Lane t of the result is the sum of v[t]'s 16 lanes: one transpose-and-add tree for 16 tokens
+ * (45 instructions) instead of 16 separate horizontal reductions. */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[TL_TILE]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (v2i, v2i+1, v2i, v2i+1) partial sums */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: (v4i .. v4i+3) */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-        const __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
-        _mm512_mask_storeu_ps(s + t, m, e);
-        sum = _mm512_mask_add_ps(sum, m, sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-        _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
-    }
+    for (int i = 0; i < 2; i++) /* then across the four 128-bit lanes */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-/* One sequence's KV heads [g0, g0 + ng) with their `group` query heads each, against `len` cached
- * tokens. Taking all of a sequence's KV heads at once reads each token's row (KVH * Dh values)
- * whole, so a block is one contiguous stream. */
-static void decode_attention_item_avx512(int dtype, const void *q, int64_t q_index, const void *k_cache,
-                                         const void *v_cache, const int64_t *table, int64_t len, void *out,
-                                         int64_t out_index, int64_t g0, int64_t ng, int64_t group, int64_t Dh,
-                                         int64_t block_size, int64_t token_stride, float scale, float *scores,
-                                         int64_t max_len) {
-    const int64_t nv = Dh / 16;
-    const int64_t heads = ng * group;
-    __m512 qv[TL_MAX_QVEC];
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t c = 0; c < nv; c++)
-            qv[h * nv + c] = _mm512_mul_ps(load16(q, q_index + h * Dh + c * 16, dtype), _mm512_set1_ps(scale));
-    /* Scores, block by block. */
-    for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t base = table[start / block_size] * block_size;
-        const int64_t n = len - start < block_size ? len - start : block_size;
-        for (int64_t off = 0; off < n; off++) {
-            const int64_t row = (base + off) * token_stride + g0 * Dh;
-            for (int64_t g = 0; g < ng; g++) {
-                __m512 kv[TL_MAX_DH16];
-                for (int64_t c = 0; c < nv; c++) kv[c] = load16(k_cache, row + g * Dh + c * 16, dtype);
-                for (int64_t j = 0; j < group; j++) {
-                    const int64_t h = g * group + j;
-                    __m512 acc = _mm512_mul_ps(qv[h * nv], kv[0]);
-                    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qv[h * nv + c], kv[c], acc);
-                    scores[h * max_len + start + off] = _mm512_reduce_add_ps(acc);
-                }
+/* bf16 queries meet bf16 keys in VDPBF16PS (exact products, float32 sums) where the CPU has it;
+ * otherwise both are widened to float32. */
+#if defined(__AVX512BF16__)
+#define TL_DP_BF16 1
+#else
+#define TL_DP_BF16 0
+#endif
+
+/* q . k for one query head (prepared by prepare_query) and the key row at `index`. */
+static inline __attribute__((always_inline)) __m512 dot_row(const int dtype, const int64_t nv, const __m512 *qh,
+                                                            const void *k_cache, int64_t index) {
+#if TL_DP_BF16
+    if (dtype == TL_BFLOAT16) {
+        const uint16_t *k = (const uint16_t *)k_cache + index;
+        __m512 acc = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 2 <= nv; c += 2)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)qh[c / 2], (__m512bh)_mm512_loadu_si512((const void *)(k + c * 16)));
+        if (c < nv)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)qh[c / 2], (__m512bh)_mm512_maskz_loadu_epi16(0xffff, k + c * 16));
+        return acc;
+    }
+#endif
+    __m512 acc = _mm512_mul_ps(qh[0], load16(k_cache, index, dtype));
+    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qh[c], load16(k_cache, index + c * 16, dtype), acc);
+    return acc;
+}
+
+/* Query head vectors in the form dot_row takes: raw bf16 pairs for VDPBF16PS, else float32. */
+static inline __attribute__((always_inline)) void prepare_query(const int dtype, const int64_t nv, const void *q,
+                                                                int64_t index, __m512 *qh) {
+#if TL_DP_BF16
+    if (dtype == TL_BFLOAT16) {
+        const uint16_t *src = (const uint16_t *)q + index;
+        for (int64_t c = 0; c < nv; c += 2)
+            qh[c / 2] = _mm512_castsi512_ps(
+                _mm512_maskz_loadu_epi16(c + 2 <= nv ? 0xffffffffu : 0xffffu, src + c * 16));
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < nv; c++) qh[c] = load16(q, index + c * 16, dtype);
+}
+
+/* always_inline: as an out-of-line function GCC finds it free of side effects and drops the calls. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t index, int64_t n, int dtype) {
+    const char *p = (const char *)base + index * (dtype == TL_BFLOAT16 ? 2 : 4);
+    const int64_t bytes = n * (dtype == TL_BFLOAT16 ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+/* Scores of one query head against a tile of n <= 16 key rows (a row repeats past the tile's
+ * end; the caller masks those lanes). Called with n a constant for full tiles. */
+static inline __attribute__((always_inline)) __m512 tile_scores(const int dtype, const int64_t nv, const __m512 *qh,
+                                                                const void *k_cache, int64_t krow, int64_t stride,
+                                                                const int64_t n) {
+    __m512 sv[TL_TILE];
+    for (int64_t i = 0; i < TL_TILE; i++) sv[i] = dot_row(dtype, nv, qh, k_cache, krow + (i < n ? i : n - 1) * stride);
+    return reduce16(sv);
+}
+
+#if TL_DP_BF16
+/* acc[G][nv] += sum over the tile's tokens of p[j][t] * v[t], in VDPBF16PS: two tokens' value rows
+ * interleaved element by element meet each head's (p_t, p_t+1) bf16 pair, so there is no
+ * widening and half the multiply-adds. The interleave leaves acc permuted (unpermute_pairs). */
+static inline __attribute__((always_inline)) void pv_pairs_bf16(const int G, const int64_t nv, const uint16_t *v,
+                                                                int64_t stride, int64_t n, const uint32_t *pp,
+                                                                __m512 *acc) {
+    __m512 r[4][TL_MAX_DH16];
+    for (int j = 0; j < G; j++)
+        for (int64_t c = 0; c < nv; c++) r[j][c] = acc[j * nv + c];
+    for (int64_t k = 0; 2 * k < n; k++) {
+        const uint16_t *a = v + 2 * k * stride;
+        const uint16_t *b = 2 * k + 1 < n ? a + stride : a; /* an odd last token pairs with itself, weight 0 */
+        __m512bh w[4];
+        for (int j = 0; j < G; j++) w[j] = (__m512bh)_mm512_set1_epi32((int)pp[j * 8 + k]);
+        for (int64_t c = 0; c < nv; c += 2) {
+            const __m512i x = _mm512_loadu_si512((const void *)(a + c * 16));
+            const __m512i y = _mm512_loadu_si512((const void *)(b + c * 16));
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            for (int j = 0; j < G; j++) {
+                r[j][c] = _mm512_dpbf16_ps(r[j][c], lo, w[j]);
+                r[j][c + 1] = _mm512_dpbf16_ps(r[j][c + 1], hi, w[j]);
             }
         }
     }
-    for (int64_t h = 0; h < heads; h++) softmax_avx512(scores + h * max_len, len);
-    __m512 acc[TL_MAX_QVEC];
-    for (int64_t i = 0; i < heads * nv; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t base = table[start / block_size] * block_size;
-        const int64_t n = len - start < block_size ? len - start : block_size;
-        for (int64_t off = 0; off < n; off++) {
-            const int64_t row = (base + off) * token_stride + g0 * Dh;
-            for (int64_t g = 0; g < ng; g++) {
-                __m512 vv[TL_MAX_DH16];
-                for (int64_t c = 0; c < nv; c++) vv[c] = load16(v_cache, row + g * Dh + c * 16, dtype);
-                for (int64_t j = 0; j < group; j++) {
-                    const int64_t h = g * group + j;
-                    const __m512 p = _mm512_set1_ps(scores[h * max_len + start + off]);
-                    for (int64_t c = 0; c < nv; c++) acc[h * nv + c] = _mm512_fmadd_ps(p, vv[c], acc[h * nv + c]);
+    for (int j = 0; j < G; j++)
+        for (int64_t c = 0; c < nv; c++) acc[j * nv + c] = r[j][c];
+}
+
+/* Back to element order: per 32 elements, the low unpack holds 0-3, 8-11, 16-19, 24-27 and the
+ * high one 4-7, 12-15, 20-23, 28-31. */
+static inline void unpermute_pairs(__m512 *acc, int64_t nv) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < nv; c += 2) {
+        const __m512 lo = acc[c], hi = acc[c + 1];
+        acc[c] = _mm512_permutex2var_ps(lo, first, hi);
+        acc[c + 1] = _mm512_permutex2var_ps(lo, second, hi);
+    }
+}
+#endif
+
+/* Tokens [t0, t1) of one sequence against query heads of KV heads [g0, g0 + ng), in tiles of up
+ * to 16 tokens inside a block, with an online softmax: each tile's K and V are read once, for
+ * all query heads of their group, while the next tile is prefetched. Leaves, per item head, the
+ * running max m, the sum of exponentials l and the unnormalised output acc. */
+static inline __attribute__((always_inline)) void attend_item(
+    const int dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
+    const int64_t *table, int64_t t0, int64_t t1, int64_t g0, int64_t ng, int64_t group, int64_t block_size,
+    int64_t token_stride, float scale, float *m, float *l, __m512 *acc) {
+    const int64_t Dh = nv * 16;
+    const int64_t heads = ng * group;
+    const int64_t qchunks = TL_DP_BF16 && dtype == TL_BFLOAT16 ? (nv + 1) / 2 : nv;
+    const int pv_pairs = TL_DP_BF16 && dtype == TL_BFLOAT16 && nv % 2 == 0;
+    __m512 qv[TL_MAX_QVEC], lsum[TL_MAX_QVEC];
+    for (int64_t h = 0; h < heads; h++) {
+        prepare_query(dtype, nv, q, q_index + h * Dh, qv + h * qchunks);
+        m[h] = -INFINITY;
+        lsum[h] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nv; c++) acc[h * nv + c] = _mm512_setzero_ps();
+    }
+    float p[TL_MAX_QVEC][TL_TILE];     /* this tile's softmax weights, per query head of a group */
+    uint32_t pp[TL_MAX_QVEC][TL_TILE / 2]; /* the same as bf16 pairs, for pv_pairs_bf16 */
+    float vf[TL_TILE * TL_MAX_DH16 * 16]; /* this tile's values of one KV head in float32 */
+    for (int64_t t = t0, n; t < t1; t += n) {
+        const int64_t off = t % block_size;
+        n = block_size - off < t1 - t ? block_size - off : t1 - t;
+        n = n < TL_TILE ? n : TL_TILE;
+        const int64_t row0 = (table[t / block_size] * block_size + off) * token_stride + g0 * Dh;
+        /* The next tile, requested now so that it arrives while this one computes. */
+        const int64_t tn = t + n;
+        int64_t next_row0 = 0, next_n = 0;
+        if (tn < t1) {
+            const int64_t noff = tn % block_size;
+            next_n = block_size - noff < t1 - tn ? block_size - noff : t1 - tn;
+            next_n = next_n < TL_TILE ? next_n : TL_TILE;
+            next_row0 = (table[tn / block_size] * block_size + noff) * token_stride + g0 * Dh;
+        }
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t krow = row0 + g * Dh;
+            for (int64_t i = 0; i < next_n; i++) prefetch_row(k_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t h = g * group + j;
+                const __m512 *qh = qv + h * qchunks;
+                const __m512 raw = n == TL_TILE ? tile_scores(dtype, nv, qh, k_cache, krow, token_stride, TL_TILE)
+                                                : tile_scores(dtype, nv, qh, k_cache, krow, token_stride, n);
+                const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, raw, _mm512_set1_ps(scale));
+                /* Rescale only when a score passes the running max by TL_RESCALE_SLACK: weights up to
+                 * e^slack are harmless in float32 and the branch is then almost never taken, instead
+                 * of a horizontal max and a mispredicted branch on every tile. */
+                if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(m[h] + TL_RESCALE_SLACK), _CMP_GT_OQ)) {
+                    const float tile_max = _mm512_reduce_max_ps(s);
+                    const __m512 correction = _mm512_set1_ps(exp_nonpositive(m[h] - tile_max));
+                    m[h] = tile_max;
+                    lsum[h] = _mm512_mul_ps(lsum[h], correction);
+                    for (int64_t c = 0; c < nv; c++) acc[h * nv + c] = _mm512_mul_ps(acc[h * nv + c], correction);
                 }
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m[h]))));
+                lsum[h] = _mm512_add_ps(lsum[h], e);
+#if TL_DP_BF16
+                if (pv_pairs) {
+                    _mm256_storeu_si256((__m256i *)pp[j], (__m256i)_mm512_cvtneps_pbh(e));
+                    continue;
+                }
+#endif
+                _mm512_storeu_ps(p[j], e);
+            }
+            const int64_t vrow = row0 + g * Dh;
+            for (int64_t i = 0; i < next_n; i++) prefetch_row(v_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
+#if TL_DP_BF16
+            if (pv_pairs) {
+                const uint16_t *v = (const uint16_t *)v_cache + vrow;
+                for (int64_t j = 0; j < group; j += 4) {
+                    __m512 *a = acc + (g * group + j) * nv;
+                    switch (group - j < 4 ? group - j : 4) {
+                    case 1: pv_pairs_bf16(1, nv, v, token_stride, n, pp[j], a); break;
+                    case 2: pv_pairs_bf16(2, nv, v, token_stride, n, pp[j], a); break;
+                    case 3: pv_pairs_bf16(3, nv, v, token_stride, n, pp[j], a); break;
+                    default: pv_pairs_bf16(4, nv, v, token_stride, n, pp[j], a); break;
+                    }
+                }
+                continue;
+            }
+#endif
+            /* Values widened once per tile, then each query head of the group sums over them. */
+            const float *vt = dtype == TL_BFLOAT16 ? vf : (const float *)v_cache + vrow;
+            const int64_t vt_stride = dtype == TL_BFLOAT16 ? Dh : token_stride;
+            if (dtype == TL_BFLOAT16)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t c = 0; c < nv; c++)
+                        _mm512_storeu_ps(vf + i * Dh + c * 16, load16(v_cache, vrow + i * token_stride + c * 16, dtype));
+            for (int64_t j = 0; j < group; j++) {
+                __m512 *a = acc + (g * group + j) * nv;
+                __m512 r[TL_MAX_DH16];
+                for (int64_t c = 0; c < nv; c++) r[c] = a[c];
+                for (int64_t i = 0; i < n; i++) {
+                    const __m512 w = _mm512_set1_ps(p[j][i]);
+                    for (int64_t c = 0; c < nv; c++) r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + i * vt_stride + c * 16), r[c]);
+                }
+                for (int64_t c = 0; c < nv; c++) a[c] = r[c];
             }
         }
     }
     for (int64_t h = 0; h < heads; h++) {
-        for (int64_t c = 0; c < nv; c++) {
-            const int64_t o = out_index + h * Dh + c * 16;
-            if (dtype == TL_BFLOAT16) {
-                float tmp[16];
-                _mm512_storeu_ps(tmp, acc[h * nv + c]);
-                uint16_t *dst = (uint16_t *)out + o;
-                for (int i = 0; i < 16; i++) dst[i] = f32_to_bf16(tmp[i]);
-            } else {
-                _mm512_storeu_ps((float *)out + o, acc[h * nv + c]);
-            }
+        l[h] = _mm512_reduce_add_ps(lsum[h]);
+#if TL_DP_BF16
+        if (pv_pairs) unpermute_pairs(acc + h * nv, nv);
+#endif
+    }
+}
+
+static inline void store_row(int dtype, void *out, int64_t index, const __m512 *acc, int64_t nv, float factor) {
+    for (int64_t c = 0; c < nv; c++) {
+        const __m512 x = _mm512_mul_ps(acc[c], _mm512_set1_ps(factor));
+        if (dtype == TL_BFLOAT16) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, x);
+            uint16_t *dst = (uint16_t *)out + index + c * 16;
+            for (int i = 0; i < 16; i++) dst[i] = f32_to_bf16(tmp[i]);
+        } else {
+            _mm512_storeu_ps((float *)out + index + c * 16, x);
         }
     }
 }
+
+/* One work item; head_dim 64 and 128 get their own copies with the vector count a constant. */
+static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
+                                 const void *v_cache, const int64_t *table, int64_t t0, int64_t t1, int64_t g0,
+                                 int64_t ng, int64_t group, int64_t block_size, int64_t token_stride, float scale,
+                                 float *m, float *l, __m512 *acc) {
+#define TL_ATTEND(DT, NV) \
+    attend_item(DT, NV, q, q_index, k_cache, v_cache, table, t0, t1, g0, ng, group, block_size, token_stride, scale, m, l, acc)
+    if (dtype == TL_BFLOAT16) {
+        if (nv == 4) TL_ATTEND(TL_BFLOAT16, 4);
+        else if (nv == 8) TL_ATTEND(TL_BFLOAT16, 8);
+        else TL_ATTEND(TL_BFLOAT16, nv);
+    } else {
+        if (nv == 4) TL_ATTEND(TL_FLOAT32, 4);
+        else if (nv == 8) TL_ATTEND(TL_FLOAT32, 8);
+        else TL_ATTEND(TL_FLOAT32, nv);
+    }
+#undef TL_ATTEND
+}
 #endif
+
+/* Portable path: one (sequence, KV head) at a time, scores kept whole, two passes. */
+static void decode_attention_item_generic(int dtype, const void *q, int64_t q_index, const void *k_cache,
+                                          const void *v_cache, const int64_t *table, int64_t len, void *out,
+                                          int64_t out_index, int64_t g, int64_t group, int64_t Dh,
+                                          int64_t block_size, int64_t token_stride, float scale, float *scores,
+                                          float *qf, float *acc, float *row, int64_t max_len) {
+    for (int64_t j = 0; j < group; j++) {
+        load_row(q, q_index + j * Dh, Dh, dtype, qf + j * Dh);
+        for (int64_t i = 0; i < Dh; i++) qf[j * Dh + i] *= scale;
+    }
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        load_row(k_cache, slot * token_stride + g * Dh, Dh, dtype, row);
+        for (int64_t j = 0; j < group; j++) {
+            const float *qj = qf + j * Dh;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < Dh; i++) s += qj[i] * row[i];
+            scores[j * max_len + t] = s;
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = scores + j * max_len;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sj[t] = exp_nonpositive(sj[t] - mx);
+            sum += sj[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+    }
+    memset(acc, 0, (size_t)(group * Dh) * sizeof(float));
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        load_row(v_cache, slot * token_stride + g * Dh, Dh, dtype, row);
+        for (int64_t j = 0; j < group; j++) {
+            const float p = scores[j * max_len + t];
+            float *aj = acc + j * Dh;
+#pragma omp simd
+            for (int64_t i = 0; i < Dh; i++) aj[i] += p * row[i];
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        const int64_t o = out_index + j * Dh;
+        if (dtype == TL_BFLOAT16) {
+            uint16_t *dst = (uint16_t *)out + o;
+            for (int64_t i = 0; i < Dh; i++) dst[i] = f32_to_bf16(acc[j * Dh + i]);
+        } else {
+            memcpy((float *)out + o, acc + j * Dh, (size_t)Dh * sizeof(float));
+        }
+    }
+}
 
 void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *tables, int64_t width, const int64_t *lens, void *out, int64_t D, int64_t H,
@@ -292,83 +524,96 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
     const int64_t group = H / KVH;
     const int64_t token_stride = KVH * Dh; /* elements between consecutive tokens of a block */
 #if defined(__AVX512F__)
-    const int vector_path = Dh % 16 == 0 && Dh / 16 <= TL_MAX_DH16 && group * (Dh / 16) <= TL_MAX_QVEC;
-    /* A whole sequence per work item when there are enough sequences to share out and its query
-     * vectors fit; otherwise one item per (sequence, KV head). */
-    const int64_t kv_per_item =
-        vector_path && D >= 2 * omp_get_max_threads() && H * (Dh / 16) <= TL_MAX_QVEC ? KVH : 1;
-#else
-    const int64_t kv_per_item = 1;
+    const int64_t nv = Dh / 16;
+    if (Dh % 16 == 0 && nv <= TL_MAX_DH16 && group * nv <= TL_MAX_QVEC) {
+        /* A work item is (sequence, run of its tokens, KV heads): all KV heads when their query
+         * vectors fit, so each token's row streams whole. Few sequences are cut into runs of
+         * whole blocks (split-K) so that every thread streams; the runs merge afterwards. */
+        const int64_t threads = omp_get_max_threads();
+        const int64_t kv_per_item = H * nv <= TL_MAX_QVEC ? KVH : 1;
+        const int64_t kv_items = KVH / kv_per_item;
+        const int64_t heads = kv_per_item * group;
+        int64_t chunks = 1;
+        if (D * kv_items < 2 * threads) {
+            const int64_t by_threads = (2 * threads + D * kv_items - 1) / (D * kv_items);
+            const int64_t by_length = (max_len + 4 * block_size - 1) / (4 * block_size); /* >= 4 blocks a run */
+            chunks = by_threads < by_length ? by_threads : by_length;
+            chunks = chunks > 1 ? chunks : 1;
+        }
+        const int64_t blocks_per_chunk = ((max_len + block_size - 1) / block_size + chunks - 1) / chunks;
+        const int64_t items = D * kv_items * chunks;
+        /* Split runs leave (m, l, acc[Dh]) per head for the merge. */
+        float *partial = chunks > 1 ? (float *)malloc((size_t)(items * heads * (Dh + 2)) * sizeof(float)) : NULL;
+#pragma omp parallel
+        {
+            float m[TL_MAX_QVEC], l[TL_MAX_QVEC];
+            __m512 acc[TL_MAX_QVEC];
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; item++) {
+                const int64_t d = item / (kv_items * chunks);
+                const int64_t g0 = (item / chunks % kv_items) * kv_per_item;
+                const int64_t chunk = item % chunks;
+                const int64_t len = lens[d];
+                const int64_t t0 = chunk * blocks_per_chunk * block_size;
+                const int64_t t1 = t0 + blocks_per_chunk * block_size < len ? t0 + blocks_per_chunk * block_size : len;
+                attend_item_dispatch(dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
+                                     tables + d * width, t0, t1, g0, kv_per_item, group, block_size, token_stride,
+                                     scale, m, l, acc);
+                for (int64_t h = 0; h < heads; h++) {
+                    if (chunks == 1) {
+                        store_row(dtype, out, (d * H + g0 * group + h) * Dh, acc + h * nv, nv, l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+                    } else {
+                        float *rec = partial + (item * heads + h) * (Dh + 2);
+                        rec[0] = m[h];
+                        rec[1] = l[h];
+                        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(rec + 2 + c * 16, acc[h * nv + c]);
+                    }
+                }
+            }
+            if (chunks > 1) {
+                /* The implicit barrier above has every run done: rescale each to the common max. */
+#pragma omp for schedule(static)
+                for (int64_t dh = 0; dh < D * H; dh++) {
+                    const int64_t d = dh / H, h = dh % H;
+                    const int64_t kv_item = h / heads, hi = h % heads;
+                    const int64_t first = (d * kv_items + kv_item) * chunks;
+                    float mx = -INFINITY;
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const float mc = partial[((first + c) * heads + hi) * (Dh + 2)];
+                        mx = mc > mx ? mc : mx;
+                    }
+                    float total = 0.0f;
+                    __m512 sum[TL_MAX_DH16];
+                    for (int64_t v = 0; v < nv; v++) sum[v] = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const float *rec = partial + ((first + c) * heads + hi) * (Dh + 2);
+                        if (rec[1] == 0.0f) continue; /* a run past this sequence's end */
+                        const float w = exp_nonpositive(rec[0] - mx);
+                        total += w * rec[1];
+                        for (int64_t v = 0; v < nv; v++)
+                            sum[v] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(rec + 2 + v * 16), sum[v]);
+                    }
+                    store_row(dtype, out, dh * Dh, sum, nv, total > 0.0f ? 1.0f / total : 0.0f);
+                }
+            }
+        }
+        free(partial);
+        return;
+    }
 #endif
-    const int64_t items_per_seq = KVH / kv_per_item;
 #pragma omp parallel
     {
-        /* Per-thread scratch: scores [heads of an item, max_len], query and accumulator rows, one K/V row. */
-        float *scores = (float *)malloc((size_t)(kv_per_item * group * max_len) * sizeof(float));
+        /* Per-thread scratch: scores [group, max_len], query and accumulator rows, one K/V row. */
+        float *scores = (float *)malloc((size_t)(group * max_len) * sizeof(float));
         float *qf = (float *)malloc((size_t)(group * Dh) * sizeof(float));
         float *acc = (float *)malloc((size_t)(group * Dh) * sizeof(float));
         float *row = (float *)malloc((size_t)Dh * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < D * items_per_seq; item++) {
-            const int64_t d = item / items_per_seq, g = (item % items_per_seq) * kv_per_item;
-            const int64_t len = lens[d];
-            const int64_t *table = tables + d * width;
-#if defined(__AVX512F__)
-            if (vector_path) {
-                decode_attention_item_avx512(dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache, table, len,
-                                             out, (d * H + g * group) * Dh, g, kv_per_item, group, Dh, block_size,
-                                             token_stride, scale, scores, max_len);
-                continue;
-            }
-#endif
-            for (int64_t j = 0; j < group; j++) {
-                load_row(q, d * q_stride + (g * group + j) * Dh, Dh, dtype, qf + j * Dh);
-                for (int64_t i = 0; i < Dh; i++) qf[j * Dh + i] *= scale;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(k_cache, slot * token_stride + g * Dh, Dh, dtype, row);
-                for (int64_t j = 0; j < group; j++) {
-                    const float *qj = qf + j * Dh;
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t i = 0; i < Dh; i++) s += qj[i] * row[i];
-                    scores[j * max_len + t] = s;
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *sj = scores + j * max_len;
-                float mx = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
-                    sj[t] = exp_nonpositive(sj[t] - mx);
-                    sum += sj[t];
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < len; t++) sj[t] *= inv;
-            }
-            memset(acc, 0, (size_t)(group * Dh) * sizeof(float));
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t slot = table[t / block_size] * block_size + t % block_size;
-                load_row(v_cache, slot * token_stride + g * Dh, Dh, dtype, row);
-                for (int64_t j = 0; j < group; j++) {
-                    const float p = scores[j * max_len + t];
-                    float *aj = acc + j * Dh;
-#pragma omp simd
-                    for (int64_t i = 0; i < Dh; i++) aj[i] += p * row[i];
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                const int64_t o = (d * H + g * group + j) * Dh;
-                if (dtype == TL_BFLOAT16) {
-                    uint16_t *dst = (uint16_t *)out + o;
-                    for (int64_t i = 0; i < Dh; i++) dst[i] = f32_to_bf16(acc[j * Dh + i]);
-                } else {
-                    memcpy((float *)out + o, acc + j * Dh, (size_t)Dh * sizeof(float));
-                }
-            }
+        for (int64_t item = 0; item < D * KVH; item++) {
+            const int64_t d = item / KVH, g = item % KVH;
+            decode_attention_item_generic(dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache,
+                                          tables + d * width, lens[d], out, (d * H + g * group) * Dh, g, group, Dh,
+                                          block_size, token_stride, scale, scores, qf, acc, row, max_len);
         }
         free(scores);
         free(qf);

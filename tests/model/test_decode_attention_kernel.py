@@ -1,0 +1,127 @@
+"""The C decode-attention kernel against a float64 reference, on the shapes that stress its paths:
+ragged contexts, GQA groups, block tables with holes and garbage in unused slots, context 1, tiles
+cut by block boundaries, split-K runs (few sequences) merged, and the builds without AVX512-BF16
+and without AVX-512 (the portable paths) on this same CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenline.model import cpu_kernels
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
+
+
+def _reference(q, k_cache, v_cache, tables, lens) -> torch.Tensor:
+    """Per sequence: gather its first len rows, attend in float64; query head h reads KV head h // group."""
+    num_seqs, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(num_seqs, heads, head_dim, dtype=torch.float64)
+    for d in range(num_seqs):
+        n = int(lens[d])
+        keys = k_cache[tables[d]].reshape(-1, kv_heads, head_dim)[:n].double()
+        values = v_cache[tables[d]].reshape(-1, kv_heads, head_dim)[:n].double()
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)  # [n, H, Dh]
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[d].double(), keys) / math.sqrt(head_dim)
+        out[d] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out
+
+
+def _case(seed, num_seqs, heads, kv_heads, head_dim, block_size, lens, dtype, spare_blocks=7):
+    """A pool with the sequences' blocks scattered, unused blocks and unwritten tail slots full of NaN
+    (the kernel must read only written slots), and tables padded with a hole-filler block id."""
+    generator = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lens, dtype=torch.int64)
+    widths = [(int(n) + block_size - 1) // block_size for n in lens]
+    width = max(widths)
+    num_blocks = sum(widths) + spare_blocks
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(num_seqs, width, dtype=torch.int64)
+    used = 0
+    for d, (n, w) in enumerate(zip(lens.tolist(), widths)):
+        ids = order[used : used + w]
+        used += w
+        tables[d, :w] = ids
+        tables[d, w:] = order[-1]  # padding points at an unused (NaN) block, as holes do
+        rows = torch.randn(2, w * block_size, kv_heads, head_dim, generator=generator).to(dtype)
+        for b, block in enumerate(ids.tolist()):
+            count = min(block_size, n - b * block_size)  # the last block's tail stays NaN
+            k_cache[block, :count] = rows[0, b * block_size : b * block_size + count]
+            v_cache[block, :count] = rows[1, b * block_size : b * block_size + count]
+    q = torch.randn(num_seqs, heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+def _check(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(ours).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-6)
+    else:
+        # bf16 output (8-bit mantissa: a rounding step is up to 2^-8 relative) from weights also
+        # rounded to bf16 before they meet the values: within two rounding steps of the exact result.
+        torch.testing.assert_close(ours.double(), reference, rtol=2**-7, atol=2**-8)
+
+
+SHAPES = [
+    # heads, kv_heads, head_dim, block_size: the default model; GQA 4 and 1; MHA; head_dim 128, odd
+    # multiples of 16 (48, 80: no pair-interleaved values), 24 (portable path); blocks larger than
+    # the 16-token tile and smaller.
+    (9, 3, 64, 16),
+    (8, 2, 64, 32),
+    (12, 1, 64, 8),
+    (4, 4, 128, 16),
+    (6, 3, 48, 16),
+    (4, 2, 80, 4),
+    (4, 2, 24, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_ragged_batch_matches_reference(dtype, heads, kv_heads, head_dim, block_size) -> None:
+    lens = [1, 17, 5 * block_size, 3 * block_size + 1, 40, 2, 16 * 5 + 9, 33]  # context 1, partial tiles
+    q, k_cache, v_cache, tables, lens = _case(heads * head_dim, len(lens), heads, kv_heads, head_dim, block_size,
+                                              lens, dtype)
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(head_dim))
+    _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [700], [3, 1000], [129, 64]])
+def test_few_sequences_split_into_runs_match_reference(dtype, lens) -> None:
+    """Fewer sequences than threads x 2: each is cut into runs of blocks that merge afterwards,
+    including runs past a short sequence's end (empty) beside a long one."""
+    q, k_cache, v_cache, tables, lens = _case(len(lens), len(lens), 9, 3, 64, 16, lens, dtype)
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
+    _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)
+
+
+def test_large_scores_rescale_without_overflow() -> None:
+    """Scores rising along the context (the running max moves up tile after tile) and one huge
+    score: the online softmax must rescale, not overflow."""
+    q, k_cache, v_cache, tables, lens = _case(5, 2, 9, 3, 64, 16, [300, 77], torch.float32)
+    for d in range(2):
+        for t in range(int(lens[d])):
+            k_cache[tables[d, t // 16], t % 16] *= 1 + t / 20
+    k_cache[tables[0, 3], 5] = q[0, :3] * 50  # token 53 of sequence 0: scores of several hundred
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
+    _check(ours, _reference(q, k_cache, v_cache, tables, lens), torch.float32)
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_builds_match_reference(flags, dtype, tmp_path, monkeypatch) -> None:
+    """The same source built without the dot-product instructions, and without AVX-512 at all."""
+    monkeypatch.setenv("TOKENLINE_HOME", str(tmp_path))
+    portable = cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=flags))
+    assert not portable.has_avx512bf16
+    q, k_cache, v_cache, tables, lens = _case(11, 5, 9, 3, 64, 16, [1, 50, 320, 16, 100], dtype)
+    ours = portable.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
+    _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)
