@@ -14,7 +14,7 @@ from tests.e2e.conftest import start_server
 from tokenline import LLM, SamplingParams
 from tokenline.cli import build_parser, serve_settings_from_args
 from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-from tokenline.model.random_models import make_qwen3_5_tiny, make_qwen3_tiny
+from tokenline.model.random_models import make_qwen3_5_tiny, make_qwen3_tiny, scale_qwen3_5_linear_outputs
 
 MAX_TOKENS = 16
 
@@ -23,6 +23,7 @@ MAX_TOKENS = 16
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "qwen3.5-tiny-mtp"
     make_qwen3_5_tiny(out, seed=0, mtp_layers=1)
+    scale_qwen3_5_linear_outputs(out, 40.0)  # outputs that depend on the recurrent state (see tests/engine)
     build_qwen_tokenizer(out)
     return out
 
@@ -34,6 +35,7 @@ def test_same_greedy_tokens_as_without_speculation(tmp_path: Path, model_dir: Pa
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     del llm
+    assert all(len(set(tokens)) > MAX_TOKENS // 2 for tokens in expected)
 
     flags = ("--speculative", "mtp", "--num-speculative-tokens", "3", "--dtype", "float32",
              "--served-model-name", "tiny")

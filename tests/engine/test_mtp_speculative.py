@@ -6,6 +6,10 @@ Random MTP weights draft noise, so the target rejects nearly every draft; the or
 the head's drafts the target's own continuation (wholly, or up to a planted miss) so the
 accepting branch runs too: accepted drafts, the hybrid state kept after them, the head's KV
 caught up over several positions at once.
+
+The text model's DeltaNet outputs are scaled up (``scale_qwen3_5_linear_outputs``): plain random
+weights make the tiny hybrid repeat its last token whatever its state, which would hide a state that
+kept rejected drafts; louder linear layers make every output token depend on it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.model.batch import SampledToken, ScheduledSeq, num_accepted_drafts
-from tokenline.model.random_models import make_qwen3_5_tiny
+from tokenline.model.random_models import make_qwen3_5_tiny, scale_qwen3_5_linear_outputs
 
 MAX_TOKENS = 12
 
@@ -35,6 +39,7 @@ MAX_TOKENS = 12
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("qwen3_5_tiny_mtp")
     make_qwen3_5_tiny(out, seed=0, mtp_layers=1)
+    scale_qwen3_5_linear_outputs(out, 40.0)
     build_qwen_tokenizer(out)
     return out
 
@@ -48,7 +53,9 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(model_dir, dtype="float32", max_num_seqs=4, num_kv_blocks=128, block_size=4)
-    return greedy(llm, prompts)
+    out = greedy(llm, prompts)
+    assert all(len(set(tokens)) > MAX_TOKENS // 2 for tokens in out)  # not one token repeated
+    return out
 
 
 @pytest.fixture(scope="module")

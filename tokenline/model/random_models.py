@@ -103,6 +103,23 @@ def add_qwen3_5_mtp_weights(out_dir: Path, num_layers: int = 1, seed: int = 0) -
     config_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
+def scale_qwen3_5_linear_outputs(out_dir: Path, factor: float) -> None:
+    """Scale a saved Qwen3.5's Gated DeltaNet output projections by ``factor``.
+
+    With small random weights and tied embeddings the tiny hybrid mostly repeats its last token,
+    whatever its recurrent state holds; louder linear layers make the next token depend on that
+    state, so a test can see a state that went wrong (e.g. one holding rejected drafts).
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = Path(out_dir) / "model.safetensors"
+    weights = load_file(str(path))
+    for name in weights:
+        if ".linear_attn.out_proj." in name:
+            weights[name] = weights[name] * factor
+    save_file(weights, str(path), metadata={"format": "pt"})
+
+
 def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
     """Write a 2-layer dense Qwen3 (GQA, explicit head_dim, q/k norms, tied embeddings), small vocabulary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
