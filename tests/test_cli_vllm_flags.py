@@ -41,6 +41,13 @@ def test_wired_flags_reach_the_settings_and_engine_config(default_model_dir: Pat
     assert idle == []  # every flag above is honoured: none is named as having no effect
 
 
+def test_speculative_config_sets_the_speculative_flags(default_model_dir: Path) -> None:
+    s, idle = settings(default_model_dir, "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    e = s.engine
+    assert (e.speculative, e.num_speculative_tokens, e.prompt_lookup_max) == ("ngram", 3, 5) and idle == []
+
+
 def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
     args = build_parser().parse_args(["serve", str(default_model_dir), "--enable-prefix-caching"])
     s, idle = serve_settings_from_args(args)
@@ -90,6 +97,10 @@ def test_every_table_flag_has_a_status_and_an_explanation() -> None:
     (["--chat-template", "{% if %}"], "chat template does not compile"),
     (["--generation-config", "/no/such/folder"], "no such file"),
     (["--tokenizer", "org/some-tokenizer"], "is not a directory with a tokenizer.json"),
+    (["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'], "method 'eagle3' is not supported"),
+    (["--speculative-config", '{"method": "ngram", "model": "draft"}'], "['model'] not supported"),
+    (["--speculative-config", '{"method": "ngram"}', "--speculative", "ngram"], "not both"),
+    (["--speculative-config", '{"method": "mtp"}'], "needs a hybrid Qwen3.5-class model with an MTP head"),
 ])
 def test_values_tokenline_cannot_honour_are_refused(default_model_dir: Path, flags: list[str], message: str) -> None:
     with pytest.raises(ValueError) as caught:

@@ -20,6 +20,7 @@ from tokenline.serve_args import (
     check_vllm_args,
     no_effect_warning,
     quiet_request_logs,
+    speculative_config_overrides,
 )
 
 if TYPE_CHECKING:
@@ -186,7 +187,8 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
         generation_config=args.generation_config,
         uvicorn_log_level=args.uvicorn_log_level,
-        engine=dataclasses.replace(engine_config_from_args(args), seed=args.seed, tokenizer=args.tokenizer),
+        engine=dataclasses.replace(engine_config_from_args(args), seed=args.seed, tokenizer=args.tokenizer,
+                                   **speculative_config_overrides(args)),
         engine_restart=restart_policy_from_args(args),
         data_parallel_size=args.data_parallel_size or 1,
         threads_per_engine=args.threads_per_engine,

@@ -10,6 +10,7 @@ live with the other serve and engine flags in ``cli.py``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,53 @@ def _refuse_max_logprobs(value: Any) -> str | None:
     if value is None or value <= 20:
         return None
     return f"at most 20 logprobs per token are returned (the OpenAI API's limit); got {value}"
+
+
+# vLLM's --speculative-config methods tokenline runs, as its own --speculative values.
+SPECULATIVE_METHODS = {"ngram": "ngram", "mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+def speculative_config_fields(text: str) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON (``{"method": "mtp", "num_speculative_tokens": 2}``) as
+    EngineConfig fields; ServeArgsError for a method or key tokenline does not run."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ServeArgsError(f"--speculative-config is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ServeArgsError("--speculative-config must be a JSON object")
+    unknown = sorted(set(raw) - SPECULATIVE_KEYS)
+    if unknown:
+        raise ServeArgsError(f"--speculative-config: {unknown} not supported (known: {sorted(SPECULATIVE_KEYS)}); "
+                             "tokenline has no separate draft models")
+    method = raw.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ServeArgsError(f"--speculative-config: method {method!r} is not supported; "
+                             f"one of {sorted(SPECULATIVE_METHODS)}")
+    fields = {"speculative": SPECULATIVE_METHODS[method]}
+    fields.update({key: raw[key] for key in SPECULATIVE_KEYS - {"method"} if key in raw})
+    return fields
+
+
+def speculative_config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields a given ``--speculative-config`` sets (none when it is not given)."""
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return {}
+    if getattr(args, "speculative", None) is not None:
+        raise ServeArgsError("give --speculative or --speculative-config, not both")
+    return speculative_config_fields(text)
+
+
+def _refuse_speculative_config(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        speculative_config_fields(value)
+    except ServeArgsError as exc:
+        return str(exc).removeprefix("--speculative-config: ")
+    return None
 
 
 def _refuse_executor(value: Any) -> str | None:
@@ -127,6 +175,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--max-logprobs",), LIMITED, "top logprobs are capped at 20 (OpenAI's limit): a lower cap is not enforced, a higher one refused",
              {"type": int},
              refuse=_refuse_max_logprobs, idle=lambda v: v < 20),
+    VllmFlag(("--speculative-config",), LIMITED,
+             "JSON: method ngram or mtp (qwen3_next_mtp, qwen3_5_mtp alike), num_speculative_tokens, "
+             "prompt_lookup_max/min, as --speculative and its flags; draft-model methods are refused",
+             refuse=_refuse_speculative_config, idle=lambda v: False),
     VllmFlag(("--gpu-memory-utilization",), NO_EFFECT, "the KV cache gets --kv-cache-memory GiB instead",
              {"type": float}),
     VllmFlag(("--swap-space",), NO_EFFECT, "a preempted request is recomputed, never swapped", {"type": float}),
