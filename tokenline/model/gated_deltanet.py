@@ -286,7 +286,11 @@ class GatedDeltaNet(nn.Module):
         anyway. So keeping the per-token writes (k+1 rows of [heads, dv]) and forming only the
         accepted state later costs one state-sized update, as the plain step's final state does;
         keeping k+1 full states (the recurrent form per position) writes k+1 states per layer, and
-        snapshot-then-recompute runs the accepted tokens through the rule a second time.
+        snapshot-then-recompute runs the accepted tokens through the rule a second time. Measured
+        (CPU ms per layer and step, k = 4, one thread, loaded machine, two runs): Qwen3.5-27B's
+        shape, 8 sequences: writes 44-100, k+1 states 237-284, recompute 352-401 (and 131-178 for
+        the old chunked rule per span with no rollback: a 64-token chunk for 5 tokens); 1 sequence:
+        6.4-6.6 / 18-21 / 26-35 (16-25).
         """
         conv_state, recurrent_state = state
         history = self.kernel - 1
