@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tokenline.engine.block_pool import BlockPool, hash_block
 from tokenline.engine.kv_cache_manager import KVCacheManager
+from tokenline.engine.kv_events import BlockRemoved, CachedBlockIndex
 from tokenline.engine.messages import EngineRequest
 from tokenline.engine.request import Request
 from tokenline.sampling_params import SamplingParams
@@ -108,3 +111,84 @@ def test_reviving_a_free_cached_block_counts_against_free_space() -> None:
     # b needs 4 blocks (2 revived + 2 new) but the pool has 3.
     assert not kv.can_fit(b, 7, cached)
     assert kv.can_fit(b, 6, cached)
+
+
+# --- which free block is handed out: resident memory follows use ---------------------------------
+
+
+def _cached_blocks(pool: BlockPool, count: int, first_hash: int) -> list[int]:
+    blocks = pool.allocate(count)
+    for i, block_id in enumerate(blocks):
+        pool.cache(block_id, hash_block(None, [first_hash + i]), None, [first_hash + i])
+    return blocks
+
+
+def test_freed_blocks_are_reused_before_never_touched_ones() -> None:
+    pool = BlockPool(100)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_touched_blocks == 3  # fresh blocks in id order
+    pool.free(reversed(a))  # tail first, as the manager frees a table
+    # Spare (uncached) blocks come back newest-freed first, and no fresh block is touched.
+    assert pool.allocate(2) == [0, 1] and pool.num_touched_blocks == 3
+    assert pool.allocate(2) == [2, 3] and pool.num_touched_blocks == 4
+    pool.check_integrity([[0, 1], [2, 3]])
+
+
+def test_cached_blocks_are_evicted_lru_before_touching_fresh_memory() -> None:
+    pool = BlockPool(100, enable_kv_cache_events=True)
+    old = _cached_blocks(pool, 2, 0)
+    new = _cached_blocks(pool, 2, 10)
+    spare = pool.allocate(1)
+    pool.free(reversed(old))
+    pool.free(reversed(new))
+    pool.free(spare)
+    pool.take_events()
+    # The spare block first, then the least recently freed cached blocks (old's tail first).
+    assert pool.allocate(3) == [spare[0], old[1], old[0]]
+    assert pool.num_touched_blocks == 5
+    assert pool.take_events() == [BlockRemoved([hash_block(None, [1]), hash_block(None, [0])])]
+    assert pool.cached_hashes() == {hash_block(None, [10]), hash_block(None, [11])}
+    pool.check_integrity([[spare[0], old[1], old[0]]])
+
+
+def test_cache_fills_pool_touches_fresh_blocks_before_evicting() -> None:
+    pool = BlockPool(6, cache_fills_pool=True)
+    cached = _cached_blocks(pool, 3, 0)
+    pool.free(reversed(cached))
+    assert pool.allocate(3) == [3, 4, 5]  # fresh first: the three prefixes stay findable
+    assert len(pool.cached_hashes()) == 3 and pool.num_touched_blocks == 6
+    assert pool.allocate(1) == [cached[2]]  # the pool is exhausted: now LRU eviction
+    assert len(pool.cached_hashes()) == 2
+    pool.check_integrity([[3, 4, 5, cached[2]]])
+
+
+def test_reset_makes_free_cached_blocks_spare() -> None:
+    pool = BlockPool(10)
+    cached = _cached_blocks(pool, 2, 0)
+    pool.free(cached)
+    pool.reset_prefix_cache()
+    pool.check_integrity([])
+    assert sorted(pool.allocate(2)) == sorted(cached) and pool.num_touched_blocks == 2
+
+
+def test_resident_blocks_stay_at_the_peak_in_use_under_unique_traffic() -> None:
+    """Many rounds of requests with unique (cached, never reused) prompts: the touched part of the
+    pool stops at the most blocks held at once, and the events still replay to the index."""
+    rng = random.Random(7)
+    pool = BlockPool(4096, enable_kv_cache_events=True)
+    index = CachedBlockIndex()
+    held: list[list[int]] = []
+    peak = 0
+    next_hash = 0
+    for _ in range(2000):
+        if held and (len(held) >= 8 or rng.random() < 0.5):
+            pool.free(reversed(held.pop(rng.randrange(len(held)))))
+        else:
+            blocks = _cached_blocks(pool, rng.randint(1, 20), next_hash)
+            next_hash += len(blocks)
+            held.append(blocks)
+        peak = max(peak, pool.num_used_blocks)
+        index.apply(pool.take_events())
+    pool.check_integrity(held)
+    assert pool.num_touched_blocks == peak < 200
+    assert index.hashes == pool.cached_hashes()

@@ -1,8 +1,23 @@
 """The pool of fixed-size KV cache blocks, with reference counts and a prefix-cache index.
 
 A block is *free* when no request holds it (ref count 0). A free block may still carry cached KV
-for a token prefix: it stays findable by its hash until it is handed out again, oldest-freed
-first (LRU). Requests sharing a cached prefix share its blocks through the ref count.
+for a token prefix: it stays findable by its hash until it is handed out again. Requests sharing
+a cached prefix share its blocks through the ref count.
+
+Which free block is handed out (the rule memory follows): the pool tensor is allocated but not
+touched, so only blocks that were ever written are resident. ``allocate`` takes, in order,
+
+1. *spare* blocks: touched before, free, holding no findable prefix (most recently freed first,
+   still warm in the CPU caches) — reusing them costs nothing;
+2. *cached* free blocks, least recently freed first (LRU), each eviction recorded as
+   ``BlockRemoved``;
+3. *fresh* blocks, never touched, in ascending id order (the resident part of the pool is the
+   prefix of ids below :attr:`BlockPool.num_touched_blocks`).
+
+So resident KV memory is the peak number of blocks in use at once, and the prefix cache keeps
+what fits beside it. With ``cache_fills_pool`` (``--prefix-cache-fills-pool``) fresh blocks come
+before cached ones instead: cached prefixes stay until the whole pool is in use, at the price of
+the whole pool becoming resident under traffic with little reuse.
 
 With ``enable_kv_cache_events`` the pool records, in vLLM's shape, every hash it makes findable
 (``BlockStored``), every hash it forgets on eviction (``BlockRemoved``) and every reset
@@ -29,28 +44,40 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, enable_prefix_caching: bool = True, enable_kv_cache_events: bool = False
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        cache_fills_pool: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_fills_pool = cache_fills_pool
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
-        # Free blocks in eviction order (front = evicted first). OrderedDict gives O(1) removal
-        # of a cached block that a new request revives.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # The three kinds of free block (see the module docstring). Dicts give O(1) removal of a
+        # block a new request revives; _spare pops its newest, _lru its oldest.
+        self._spare: dict[int, None] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._num_touched = 0  # blocks [0, _num_touched) were handed out at least once
         self._cached: dict[bytes, int] = {}
         # Off unless someone drains them: an undrained recorder would grow for ever.
         self._events = KVEventRecorder() if enable_kv_cache_events else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._spare) + len(self._lru) + self.num_blocks - self._num_touched
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks ever handed out: the resident part of the pool's memory (a high-water mark)."""
+        return self._num_touched
 
     @property
     def num_cached_blocks(self) -> int:
@@ -66,22 +93,36 @@ class BlockPool:
         return self.ref_counts[block_id] == 0
 
     def allocate(self, count: int) -> list[int]:
-        """Hand out ``count`` blocks, evicting the least recently freed cached ones."""
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} blocks with only {len(self._free)} free")
+        """Hand out ``count`` blocks: spare ones, then cached (evicted, LRU) or fresh ones in the
+        order the policy says (module docstring)."""
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"asked for {count} blocks with only {self.num_free_blocks} free")
         blocks = []
         for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
+            block_id = self._next_block()
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
+
+    def _next_block(self) -> int:
+        if self._spare:
+            return self._spare.popitem()[0]
+        fresh_left = self._num_touched < self.num_blocks
+        if self._lru and not (self.cache_fills_pool and fresh_left):
+            block_id, _ = self._lru.popitem(last=False)
+            self._evict(block_id)
+            return block_id
+        self._num_touched += 1
+        return self._num_touched - 1
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take another reference on cached blocks a new request reuses."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
-                del self._free[block_id]
+                if block_id in self._lru:
+                    del self._lru[block_id]
+                else:
+                    del self._spare[block_id]
             self.ref_counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -92,7 +133,10 @@ class BlockPool:
             if self.ref_counts[block_id] < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             if self.ref_counts[block_id] == 0:
-                self._free[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self._spare[block_id] = None
+                else:
+                    self._lru[block_id] = None
 
     def cached_hashes(self) -> set[bytes]:
         """The hashes findable right now (what a consumer of the events must arrive at)."""
@@ -123,6 +167,9 @@ class BlockPool:
         for block_hash, block_id in list(self._cached.items()):
             self.block_hash[block_id] = None
             del self._cached[block_hash]
+        # Free blocks that held a prefix now hold nothing findable: spare, reused first.
+        while self._lru:
+            self._spare[self._lru.popitem(last=False)[0]] = None
         if self._events is not None:
             self._events.cleared()
 
@@ -150,9 +197,11 @@ class BlockPool:
             bad = [i for i in range(self.num_blocks) if holders[i] != self.ref_counts[i]]
             raise AssertionError(f"ref counts disagree with block tables for blocks {bad[:10]}")
         free = {i for i in range(self.num_blocks) if self.ref_counts[i] == 0}
-        used = self.num_blocks - len(free)
-        if free != set(self._free) or len(self._free) + used != self.num_blocks:
-            raise AssertionError("free list disagrees with ref counts")
+        listed = [*self._spare, *self._lru, *range(self._num_touched, self.num_blocks)]
+        if free != set(listed) or len(listed) != len(free):
+            raise AssertionError("free lists disagree with ref counts")
+        if any(self.block_hash[i] is None for i in self._lru) or any(self.block_hash[i] for i in self._spare):
+            raise AssertionError("a free block is listed as cached without a hash, or as spare with one")
         for block_hash, block_id in self._cached.items():
             if self.block_hash[block_id] != block_hash:
                 raise AssertionError(f"cache index points at block {block_id} with another hash")
