@@ -409,7 +409,8 @@ def measure_with_retry(run_once: Callable[[int], dict[str, Any]], max_neighbour_
 
 def run_system(system: System, port: int, out: Path, scenarios: list[Scenario], clients: list[str],
                setup: ClientSetup, prompts: Callable[[Scenario], int], max_neighbour_cpu: float,
-               retries: int) -> dict[str, Any]:
+               retries: int, checkpoint: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+    """``checkpoint(result so far)`` after every run: a run cut short keeps what it measured."""
     base_url = f"http://127.0.0.1:{port}"
     log_path = out / f"{system.name}-server.log"
     result: dict[str, Any] = {"system": system.name, "version": system.version, "model": system.model_note,
@@ -450,6 +451,7 @@ def run_system(system: System, port: int, out: Path, scenarios: list[Scenario], 
                     for record in measure_with_retry(once, max_neighbour_cpu, retries):
                         result["runs"].append(record)
                         print("  " + _run_line(record), flush=True)
+                    checkpoint(result)
         finally:
             sampler.set_phase("shutdown")
             stop_server(proc, sampler, log)
@@ -589,11 +591,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}: skipped: {e}", flush=True)
             results[name] = {"system": name, "error": f"not run: {e}", "runs": []}
             continue
-        results[name] = run_system(system, port, out, args.scenario_list, clients, setup, prompts,
-                                   args.max_neighbour_cpu, args.retry)
-        # Write after every system, so that a later failure keeps what was measured.
-        (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        (out / "table.md").write_text(render_report(results, meta))
+
+        def save(partial: dict[str, Any], name: str = name) -> None:
+            # After every run and every system: a later failure or a timeout keeps what was measured.
+            results[name] = partial
+            (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+            (out / "table.md").write_text(render_report(results, meta))
+
+        save(run_system(system, port, out, args.scenario_list, clients, setup, prompts, args.max_neighbour_cpu,
+                        args.retry, checkpoint=save))
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     table = render_report(results, meta)
     (out / "table.md").write_text(table)
