@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.model import cpu_kernels
+from tokenline.model.prefill_attention import batches_prefills, prefill_batched
 
 
 @dataclass
@@ -99,6 +100,9 @@ def paged_attention(
         )
         out[:num_decode] = attended.squeeze(2)
 
+    if len(meta.prefills) > 1 and batches_prefills(meta.prefills, q):
+        prefill_batched(q, k, v, k_cache, v_cache, meta.prefills, out)
+        return out
     for span in meta.prefills:
         end = span.start + span.num_tokens
         query = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]

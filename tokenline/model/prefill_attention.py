@@ -1,0 +1,104 @@
+"""Several prefill spans' attention in one call.
+
+``paged_attention`` attends each span on its own: one SDPA, one mask and one gather of its cached
+keys per span. When a step holds many short spans (several new requests, chunks side by side,
+speculative drafts being verified) that per-call work outweighs the arithmetic, so they run here
+as one padded batch: queries padded to the longest span, keys and values to the longest context,
+and a causal mask per span that is offset by its cached prefix.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+if TYPE_CHECKING:
+    from tokenline.model.attention import PrefillSpan
+
+# Batch a step's spans only when there are at least this many, each one's query rows padded to the
+# longest span take at most this many bytes, and padding widens the keys at most twofold. On CPU
+# each span's own SDPA call, mask and gathers cost tens of microseconds, which batching saves; the
+# padded copies of the queries in and the outputs out cost in proportion to those bytes (and with
+# few spans there is little to save). Measured with bench/attention_batched_prefill.py.
+BATCHED_PREFILL_MIN_SPANS = 8
+BATCHED_PREFILL_MAX_QUERY_BYTES = 12 * 1024
+
+
+def batches_prefills(spans: list[PrefillSpan], q: torch.Tensor) -> bool:
+    """Whether ``prefill_batched`` beats one call per span for these spans (q: [T, H, D])."""
+    if len(spans) < BATCHED_PREFILL_MIN_SPANS:
+        return False
+    longest = max(s.num_tokens for s in spans)
+    if longest * q.shape[1] * q.shape[2] * q.element_size() > BATCHED_PREFILL_MAX_QUERY_BYTES:
+        return False
+    return len(spans) * max(s.context_len for s in spans) <= 2 * sum(s.context_len for s in spans)
+
+
+def prefill_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: list[PrefillSpan],
+    out: torch.Tensor,
+) -> None:
+    """Attend every span in one SDPA and write the rows of ``out`` they own.
+
+    q: [T, H, D]; k, v: [T, KVH, D] (this step's, already in the cache);
+    k_cache, v_cache: [num_blocks, block_size, KVH, D].
+    """
+    device = q.device
+    longest = max(s.num_tokens for s in spans)
+    # Padding is zeros: finite, and masked or past every real query, so its outputs are dropped.
+    query = pad_sequence([q[s.start : s.start + s.num_tokens] for s in spans], batch_first=True).transpose(1, 2)
+    if all(s.context_len == s.num_tokens for s in spans):
+        # Nothing cached before any span: its own fresh K/V, and query i sees keys 0..i, plainly
+        # causal (a span's padding keys come after all its real queries).
+        keys = pad_sequence([k[s.start : s.start + s.num_tokens] for s in spans], batch_first=True)
+        values = pad_sequence([v[s.start : s.start + s.num_tokens] for s in spans], batch_first=True)
+        attended = F.scaled_dot_product_attention(
+            query, keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+    else:
+        keys = _padded_context(k_cache, spans)
+        values = _padded_context(v_cache, spans)
+        # Token i of a span sits at position (context_len - num_tokens + i) and sees keys up to it.
+        offsets = torch.tensor([s.context_len - s.num_tokens for s in spans], device=device)
+        seen = torch.arange(longest, device=device)[None, :] + offsets[:, None]  # [B, Lq]
+        mask = torch.arange(keys.shape[2], device=device)[None, None, :] <= seen[:, :, None]
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+
+    per_span = attended.transpose(1, 2)  # [B, Lq, H, D]
+    first, last = spans[0], spans[-1]
+    if all(a.start + a.num_tokens == b.start for a, b in pairwise(spans)):
+        # Side by side in the flat batch (the runner's layout): one copy of the real rows.
+        torch.cat([per_span[i, : s.num_tokens] for i, s in enumerate(spans)],
+                  out=out[first.start : last.start + last.num_tokens])
+    else:
+        for i, s in enumerate(spans):
+            out[s.start : s.start + s.num_tokens] = per_span[i, : s.num_tokens]
+
+
+def _padded_context(cache: torch.Tensor, spans: list[PrefillSpan]) -> torch.Tensor:
+    """Every span's cached rows as [B, KVH, blocks * block_size, Dh]: one gather of whole blocks,
+    then the rows past each span's context zeroed. Those were never written (the pool may be
+    torch.empty) and would leak through the mask as 0 x NaN."""
+    num_blocks = max(len(s.block_table) for s in spans)
+    width = num_blocks * cache.shape[1]
+    tables = pad_sequence([s.block_table for s in spans], batch_first=True)
+    rows = cache.index_select(0, tables.flatten()).view(len(spans), width, *cache.shape[2:])
+    unwritten = [width - s.context_len for s in spans]
+    total = sum(unwritten)
+    if total:
+        device = cache.device
+        # Row j >= context_len of span b is flat row b * width + j.
+        firsts = torch.tensor([b * width + s.context_len for b, s in enumerate(spans)], device=device)
+        counts = torch.tensor(unwritten, device=device)
+        skips = torch.repeat_interleave(firsts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
+        rows.view(-1, rows.shape[-2] * rows.shape[-1]).index_fill_(0, torch.arange(total, device=device) + skips, 0)
+    return rows.transpose(1, 2)
