@@ -69,7 +69,7 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def use_engine(llm: LLM, num_blocks: int, num_speculative_tokens: int, max_seqs: int = 4) -> None:
+def use_engine(llm: LLM, num_blocks: int, num_speculative_tokens: int, max_seqs: int = 4, budget: int = 2048) -> None:
     """A fresh engine (books, counters) over the same loaded runner, its pools re-allocated."""
     runner = llm.engine.runner
     assert runner.mtp is not None
@@ -78,7 +78,7 @@ def use_engine(llm: LLM, num_blocks: int, num_speculative_tokens: int, max_seqs:
     llm.engine = EngineCore(
         runner,
         KVCacheManager(num_blocks, 4, False, num_state_slots=max_seqs),
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048, max_model_len=4096),
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096),
         eos_token_ids=runner.config.eos_token_ids,
         check_integrity_every_step=True,
         proposer=MtpProposer(num_speculative_tokens),
@@ -98,12 +98,49 @@ def test_same_greedy_tokens_with_mtp_drafts(llm: LLM, prompts: list[list[int]], 
     assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_drafts > 0  # one draft per step
 
 
-def test_same_tokens_under_preemption(llm: LLM, prompts: list[list[int]], reference: list[list[int]]) -> None:
+def test_same_tokens_in_prefill_chunks_and_under_preemption(
+    llm: LLM, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    # Chunks of at most 9 tokens: the head's KV catches up over chunks that do not sample (the
+    # token after each comes from the prompt), with drafts of decoding requests beside them.
+    # The head drafts the same after its KV was built chunk by chunk as in one go.
+    drafts = []
+    for budget in (2048, 9):
+        use_engine(llm, num_blocks=128, num_speculative_tokens=3, budget=budget)
+        drafts.append(record_drafts(llm))
+        try:
+            assert greedy(llm, prompts) == reference
+        finally:
+            del llm.engine.runner.mtp.draft
+        assert llm.engine.stats().spec_decode_num_drafts > 0
+    common = drafts[0].keys() & drafts[1].keys()
+    assert len(common) >= len(prompts) * (MAX_TOKENS - 3)
+    assert all(drafts[0][key] == drafts[1][key] for key in common)
     use_engine(llm, num_blocks=24, num_speculative_tokens=3)  # every prompt fits, not all outputs
     assert greedy(llm, prompts) == reference
     assert llm.engine.stats().num_preemptions > 0
     kv = llm.engine.kv_cache
     assert kv.pool.num_free_blocks == kv.pool.num_blocks and kv.state_slots == {}
+
+
+def record_drafts(llm: LLM) -> dict[tuple[tuple[int, ...], int], list[int]]:
+    """The head's drafts by (prompt, tokens they follow), as the engine runs (filled in place)."""
+    drafter = llm.engine.runner.mtp
+    assert drafter is not None
+    real_draft = drafter.draft
+    seen: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def draft(seqs: list[ScheduledSeq], hidden: torch.Tensor, sampled: dict[str, SampledToken]) -> None:
+        real_draft(seqs, hidden, sampled)
+        for seq in seqs:
+            token = sampled.get(seq.request_id)
+            if token is not None:
+                known = seq.start_pos + seq.num_tokens - len(seq.draft_token_ids)
+                length = known + num_accepted_drafts(seq.draft_token_ids, token) + 1
+                seen[(tuple(seq.prompt_token_ids), length)] = list(token.next_draft_token_ids)
+
+    drafter.draft = draft  # type: ignore[method-assign]
+    return seen
 
 
 def oracle(
