@@ -98,6 +98,24 @@ def test_same_greedy_tokens_with_mtp_drafts(llm: LLM, prompts: list[list[int]], 
     assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_drafts > 0  # one draft per step
 
 
+def test_sampled_and_logprob_requests_beside_drafting_ones(
+    llm: LLM, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    use_engine(llm, num_blocks=128, num_speculative_tokens=3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True),  # the head skips it
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),  # never drafts
+    ]
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert outputs[0].token_ids == reference[0] and outputs[2].token_ids == reference[2]
+    assert len(outputs[1].token_ids) == MAX_TOKENS and len(outputs[2].logprobs) == MAX_TOKENS
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_decode_num_drafts <= MAX_TOKENS - 1  # the first request's steps only
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks and kv.state_slots == {}
+
+
 def test_same_tokens_in_prefill_chunks_and_under_preemption(
     llm: LLM, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:

@@ -58,6 +58,11 @@ class MtpDrafter:
         rows: list[torch.Tensor] = []
         start = 0
         for seq in seqs:
+            if not seq.sampling.greedy:
+                # A sampled (non-greedy) request never drafts (the scheduler's rule), so the head
+                # needs no KV for it: skip it altogether.
+                start += seq.num_tokens
+                continue
             num_known = seq.num_tokens - len(seq.draft_token_ids)
             if seq.sample:
                 token = sampled[seq.request_id]
@@ -69,8 +74,7 @@ class MtpDrafter:
                 new = []  # nothing known after the chunk: its last position waits for a later step
             inputs = [*seq.token_ids[1:num_known], *new]
             if inputs:
-                wants = seq.sample and seq.sampling.greedy  # only plain greedy requests use drafts
-                pseudo.append(replace(seq, token_ids=inputs, sample=wants, draft_token_ids=(),
+                pseudo.append(replace(seq, token_ids=inputs, sample=seq.sample, draft_token_ids=(),
                                       state_checkpoints=(), restore_state_from=None, grammar_bitmask=None))
                 rows.append(torch.arange(start, start + len(inputs), device=hidden.device))
             start += seq.num_tokens
