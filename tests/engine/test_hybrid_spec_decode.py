@@ -1,7 +1,8 @@
 """N-gram speculative decoding on the tiny Qwen3.5 hybrid: after a step that verified drafts, each
 sequence's recurrent state is the state after its accepted tokens alone, and float32 greedy outputs
 are token for token those without speculation — batched with accepts and rejects in one step,
-under preemption and abort, and with prefix-cache state checkpoints over a multi-turn chat.
+under preemption and abort, with structured output, and with prefix-cache state checkpoints over a
+multi-turn chat.
 
 The model's DeltaNet outputs are scaled up (``scale_qwen3_5_linear_outputs``) so that its next token
 depends on the recurrent state: a state that kept rejected drafts changes the outputs here (keeping
@@ -26,6 +27,7 @@ from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
 from tokenline.model.random_models import make_qwen3_5_tiny, scale_qwen3_5_linear_outputs
 from tokenline.model.runner import ModelRunner
+from tokenline.sampling_params import StructuredOutputs
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -81,6 +83,7 @@ def use_engine(
         eos_token_ids=runner.config.eos_token_ids,
         check_integrity_every_step=True,
         proposer=NgramProposer(4, 1, 4) if speculative else None,
+        grammar_compiler=llm.engine.grammar_compiler,  # the LLM's, carried from engine to engine
     )
     return recorder
 
@@ -206,6 +209,22 @@ def test_preemption_and_abort_keep_outputs_and_books(llm: LLM, runner: ModelRunn
         assert tokens[f"r{i}"] == expected[i]
     assert len(tokens["r1"]) < len(expected[1])
     assert_books_clean(llm)
+
+
+def test_structured_outputs_with_drafts_match(llm: LLM, runner: ModelRunner) -> None:
+    """Grammar-constrained greedy requests (drafts cut to what the grammar accepts, forced tokens
+    appended unsampled) give the same tokens with speculation."""
+    prompts = repetitive_prompts(4, seed=1)
+    specs = [StructuredOutputs(regex=r"(abc|abd|xyz)( (abc|abd|xyz)){5,40}"),
+             StructuredOutputs(choice=["alpha beta gamma alpha beta delta", "alpha beta gamma alpha beta gamma"])]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=specs[i % 2]) for i in range(4)]
+    results = []
+    for speculative in (False, True):
+        use_engine(llm, runner, speculative=speculative)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert_books_clean(llm)
+    assert results[0] == results[1]
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
 
 
 def test_multi_turn_with_state_checkpoints_matches_plain_decoding(llm: LLM, runner: ModelRunner) -> None:
