@@ -65,8 +65,9 @@ def prefill_batched(
             query, keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, enable_gqa=True
         )
     else:
-        keys = _padded_context(k_cache, spans)
-        values = _padded_context(v_cache, spans)
+        blocks, unwritten = _context_layout(spans, k_cache.shape[1], device)
+        keys = _padded_context(k_cache, blocks, unwritten, len(spans))
+        values = _padded_context(v_cache, blocks, unwritten, len(spans))
         # Token i of a span sits at position (context_len - num_tokens + i) and sees keys up to it.
         offsets = torch.tensor([s.context_len - s.num_tokens for s in spans], device=device)
         seen = torch.arange(longest, device=device)[None, :] + offsets[:, None]  # [B, Lq]
@@ -84,21 +85,23 @@ def prefill_batched(
             out[s.start : s.start + s.num_tokens] = per_span[i, : s.num_tokens]
 
 
-def _padded_context(cache: torch.Tensor, spans: list[PrefillSpan]) -> torch.Tensor:
-    """Every span's cached rows as [B, KVH, blocks * block_size, Dh]: one gather of whole blocks,
-    then the rows past each span's context zeroed. Those were never written (the pool may be
-    torch.empty) and would leak through the mask as 0 x NaN."""
-    num_blocks = max(len(s.block_table) for s in spans)
-    width = num_blocks * cache.shape[1]
-    tables = pad_sequence([s.block_table for s in spans], batch_first=True)
-    rows = cache.index_select(0, tables.flatten()).view(len(spans), width, *cache.shape[2:])
+def _context_layout(spans: list[PrefillSpan], block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks to gather for a padded batch of the spans' contexts (each table padded to the
+    longest) and the flat rows of that batch past each span's context, to be zeroed: those were
+    never written (the pool may be torch.empty) and would leak through the mask as 0 x NaN."""
+    width = max(len(s.block_table) for s in spans) * block_size
+    blocks = pad_sequence([s.block_table for s in spans], batch_first=True).flatten()
     unwritten = [width - s.context_len for s in spans]
     total = sum(unwritten)
-    if total:
-        device = cache.device
-        # Row j >= context_len of span b is flat row b * width + j.
-        firsts = torch.tensor([b * width + s.context_len for b, s in enumerate(spans)], device=device)
-        counts = torch.tensor(unwritten, device=device)
-        skips = torch.repeat_interleave(firsts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
-        rows.view(-1, rows.shape[-2] * rows.shape[-1]).index_fill_(0, torch.arange(total, device=device) + skips, 0)
-    return rows.transpose(1, 2)
+    # Row j >= context_len of span b is flat row b * width + j.
+    firsts = torch.tensor([b * width + s.context_len for b, s in enumerate(spans)], device=device)
+    counts = torch.tensor(unwritten, device=device)
+    skips = torch.repeat_interleave(firsts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
+    return blocks, torch.arange(total, device=device) + skips
+
+
+def _padded_context(cache: torch.Tensor, blocks: torch.Tensor, unwritten: torch.Tensor, num_spans: int) -> torch.Tensor:
+    """The spans' cached rows as [B, KVH, width, Dh]: one gather of whole blocks, unwritten rows zeroed."""
+    rows = cache.index_select(0, blocks)
+    rows.view(-1, rows.shape[-2] * rows.shape[-1]).index_fill_(0, unwritten, 0)
+    return rows.view(num_spans, -1, *cache.shape[2:]).transpose(1, 2)
