@@ -111,6 +111,9 @@ class Timing:
     cpu_s: float  # median process CPU time per layer (all threads)
     bandwidth_gbs: float  # median read bandwidth of the eviction pass just before each timed pass
     x_paired_bound: float  # median over repeats of time / (KV bytes / that repeat's bandwidth)
+    # The same with process CPU time on both sides (CPU seconds per byte, kernel / streaming pass):
+    # on a shared machine this leaves out the time either spent descheduled.
+    x_paired_cpu: float
 
 
 def time_path(case: Case, fn: Callable, repeats: int, evict: torch.Tensor) -> Timing:
@@ -118,13 +121,15 @@ def time_path(case: Case, fn: Callable, repeats: int, evict: torch.Tensor) -> Ti
     so the KV comes from memory). The streaming pass is timed too: it is the "sum" method of
     ``tokenline bench roofline``, so each repeat carries its own bandwidth, measured under the same
     neighbours as the kernel right after it."""
-    walls, cpus, bandwidths, ratios = [], [], [], []
+    walls, cpus, bandwidths, ratios, cpu_ratios = [], [], [], [], []
+    evict_bytes = evict.numel() * evict.element_size()
     for layer in range(len(case.layers)):  # warm-up: page in, build caches of the path
         case.run(fn, layer)
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         evict.sum()
-        bandwidth = evict.numel() * evict.element_size() / (time.perf_counter() - start)
+        bandwidth = evict_bytes / (time.perf_counter() - start)
+        evict_cpu = time.process_time() - start_cpu
         wall, cpu = time.perf_counter(), time.process_time()
         for layer in range(len(case.layers)):
             case.run(fn, layer)
@@ -132,8 +137,9 @@ def time_path(case: Case, fn: Callable, repeats: int, evict: torch.Tensor) -> Ti
         cpus.append((time.process_time() - cpu) / len(case.layers))
         bandwidths.append(bandwidth / 1e9)
         ratios.append(walls[-1] / (case.kv_bytes / bandwidth))
+        cpu_ratios.append(cpus[-1] / case.kv_bytes / (evict_cpu / evict_bytes))
     return Timing(statistics.median(walls), statistics.median(cpus), statistics.median(bandwidths),
-                  statistics.median(ratios))
+                  statistics.median(ratios), statistics.median(cpu_ratios))
 
 
 def main() -> None:
@@ -146,9 +152,12 @@ def main() -> None:
     parser.add_argument("--bandwidth-gbs", type=float, help="use this read bandwidth instead of measuring it")
     parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE, help="git revision of the old C kernel")
     parser.add_argument("--no-torch", action="store_true", help="skip the gather + SDPA path")
+    parser.add_argument("--threads", type=int, help="torch/OpenMP threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the results here as well")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     new = cpu_kernels.load()
     if new is None:
         sys.exit("the C kernels are unavailable here (no compiler, or TOKENLINE_CPU_KERNELS=0)")
@@ -172,10 +181,11 @@ def main() -> None:
     cap = parse_size(args.layer_bytes_cap)
     print(f"torch threads {torch.get_num_threads()}, read bandwidth {gbs:.1f} GB/s ({bandwidth['method']}), "
           f"load average {load_before:.2f}")
-    print("per layer: wall us (median), process CPU us, time / bound (KV bytes / bandwidth measured above), "
-          "time / paired bound (bandwidth of the streaming pass just before each repeat)")
+    print("per layer: wall us (median), process CPU us, x bnd = time / (KV bytes / bandwidth measured above), "
+          "x pair = the same with the bandwidth of the streaming pass just before each repeat, "
+          "x cpu = CPU time per KV byte / the streaming pass's CPU time per byte")
     header = f"{'batch x ctx':>12} {'layers':>6} {'KV MB':>6} {'bound us':>8} " + " ".join(
-        f"{name + ' us':>8} {'cpu':>6} {'x bnd':>5} {'x pair':>6}" for name in paths)
+        f"{name + ' us':>8} {'cpu':>6} {'x bnd':>5} {'x pair':>6} {'x cpu':>5}" for name in paths)
     print(header)
     rows = []
     for cell in args.grid.split(","):
@@ -193,7 +203,8 @@ def main() -> None:
             row["paths"][name] = {**asdict(timing), "x_bound": timing.wall_s / bound_s, "max_abs_diff_vs_new": diff}
         rows.append(row)
         print(f"{cell:>12} {layers:>6} {case.kv_bytes / 1e6:>6.2f} {bound_s * 1e6:>8.0f} " + " ".join(
-            f"{p['wall_s'] * 1e6:>8.0f} {p['cpu_s'] * 1e6:>6.0f} {p['x_bound']:>5.2f} {p['x_paired_bound']:>6.2f}"
+            f"{p['wall_s'] * 1e6:>8.0f} {p['cpu_s'] * 1e6:>6.0f} {p['x_bound']:>5.2f} {p['x_paired_bound']:>6.2f} "
+            f"{p['x_paired_cpu']:>5.2f}"
             for p in row["paths"].values()))
         del case
     share = others_cpu_share(start, cpu_sample())
