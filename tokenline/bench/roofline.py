@@ -119,17 +119,26 @@ def matmul_params_from_model(model: nn.Module) -> MatmulParams:
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        for param in module.parameters(recurse=False):
-            if param.data_ptr() in seen:
+        # A layer serving from its packed weight alone has no weight parameter (model/layers.py).
+        sizes = [(param.data_ptr(), param.numel()) for param in module.parameters(recurse=False)]
+        if module.weight is None:
+            sizes.append((id(module), module.in_features * module.out_features))
+        for key, numel in sizes:
+            if key in seen:
                 continue
-            seen.add(param.data_ptr())
+            seen.add(key)
             if name.split(".")[-1] == "lm_head":
-                lm_head_params += param.numel()
+                lm_head_params += numel
             else:
-                layer_params += param.numel()
+                layer_params += numel
     lm_head = getattr(model, "lm_head", None)
-    embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    tied = lm_head is not None and embed is not None and lm_head.weight.data_ptr() == embed.weight.data_ptr()
+    embed = getattr(model, "embed_tokens", None)
+    if embed is None:
+        embed = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    tied = lm_head is not None and embed is not None and (
+        getattr(embed, "head", [None])[0] is lm_head  # PackedEmbedding: rows of the packed head
+        or (lm_head.weight is not None and lm_head.weight.data_ptr() == embed.weight.data_ptr())
+    )
     return MatmulParams(layer_params, lm_head_params, tied)
 
 

@@ -79,6 +79,8 @@ class CpuKernels:
         lib.tl_has_avx512bf16.restype = ctypes.c_int
         lib.tl_linear_bf16.argtypes = [_P, _P, _P, _I, _I, _I]
         lib.tl_linear_bf16.restype = None
+        lib.tl_linear_bf16_blocked.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
+        lib.tl_linear_bf16_blocked.restype = None
         lib.tl_decode_attention.argtypes = [ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
                                             ctypes.c_float]
         lib.tl_decode_attention.restype = None
@@ -100,6 +102,19 @@ class CpuKernels:
         n = weight.shape[0]
         y = torch.empty((m, n), dtype=torch.bfloat16)
         self._lib.tl_linear_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    def linear_bf16_blocked(self, x: torch.Tensor, tiles: torch.Tensor, n: int, block_n: int, pairs: int) -> torch.Tensor:
+        """``x @ w.T`` for a few rows, w [n, K] held only in oneDNN's packed layout ``tiles`` (the flat
+        bfloat16 bytes of ``AB<pairs>b<block_n>a2b``, see model/packed_weight.py)."""
+        if x.dtype != torch.bfloat16 or tiles.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError("linear_bf16_blocked takes contiguous 2-D bfloat16 activations and bfloat16 tiles")
+        m, k = x.shape
+        padded = -(-n // block_n) * block_n * -(-k // (2 * pairs)) * 2 * pairs
+        if tiles.numel() != padded:
+            raise ValueError(f"linear_bf16_blocked: {tiles.numel()} packed values do not hold a [{n}, {k}] weight")
+        y = torch.empty((m, n), dtype=torch.bfloat16)
+        self._lib.tl_linear_bf16_blocked(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, n, k, block_n, pairs)
         return y
 
     def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ greedy outputs match it token for token.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata, paged_attention
 from tokenline.model.config import ModelConfig
+from tokenline.model.packed_weight import PackedWeight, pack
 
 # Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
 SMALL_BATCH_ROWS = 2
@@ -139,28 +141,50 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """``nn.Linear`` that, once :meth:`prepare_for_inference` ran, takes the fastest CPU path.
 
-    bfloat16 on CPU: a handful of rows (a decode step) goes through our weight-streaming kernel,
-    anything larger through oneDNN with the weight packed once at load time (plain ``F.linear``
-    re-lays it out on every call). Other dtypes and devices use ``F.linear`` unchanged, so
-    float32 stays bit-identical to the reference.
+    bfloat16 on CPU: the weight is packed once at load time for oneDNN (plain ``F.linear``
+    re-lays it out on every call), which serves larger batches; a handful of rows (a decode step)
+    goes through our weight-streaming kernel, reading the same packed bytes. The plain weight is
+    then dropped (``weight`` is None; :meth:`plain_weight` rebuilds it), so the layer holds one
+    copy. It is kept only where our kernel cannot read oneDNN's layout, or with
+    ``TOKENLINE_KEEP_PLAIN_WEIGHTS=1`` (to measure the memory it costs). Other dtypes and devices
+    use ``F.linear`` unchanged, so float32 stays bit-identical to the reference.
     """
 
     _kernels: cpu_kernels.CpuKernels | None = None
-    _packed: torch.Tensor | None = None
+    _packed: PackedWeight | None = None
 
-    def prepare_for_inference(self) -> None:
+    def prepare_for_inference(self, keep_plain: bool = False) -> None:
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return
         self._kernels = cpu_kernels.load() if self.bias is None else None
-        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_BATCH_HINT)
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return
+        self._packed = pack(weight, PACKED_BATCH_HINT)
+        readable = self._packed.layout is not None
+        if not keep_plain and (readable or self._kernels is None):
+            self.register_parameter("weight", None)
+
+    def plain_weight(self) -> torch.Tensor:
+        """The [out, in] weight: the parameter, or a fresh copy unpacked from the packed one."""
+        if self.weight is not None:
+            return self.weight
+        assert self._packed is not None
+        if self._packed.layout is None:
+            return self._packed.onednn.to_dense()
+        return self._packed.unpack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
-            return self._kernels.linear_bf16(x.contiguous(), self.weight)
+            if self.weight is not None:
+                return self._kernels.linear_bf16(x.contiguous(), self.weight)
+            packed = self._packed
+            assert packed is not None and packed.layout is not None
+            return self._kernels.linear_bf16_blocked(
+                x.contiguous(), packed.tiles, packed.out_features, packed.layout.block_n, packed.layout.pairs
+            )
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed.onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -178,11 +202,37 @@ class MergedLinear(Linear):
         return sum(self.output_sizes[:shard])
 
 
+class PackedEmbedding(nn.Module):
+    """The token embedding of a model whose head is tied to it, looked up in the head's packed
+    weight: the matrix is held once, in oneDNN's layout."""
+
+    def __init__(self, head: Linear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not registered as a submodule (the model already holds it)
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        packed = self.head[0]._packed
+        assert packed is not None
+        return packed.rows(input_ids)
+
+
 def prepare_for_inference(model: nn.Module) -> None:
-    """Give every ``Linear`` its fast path; call after the weights are loaded (and never train)."""
+    """Give every ``Linear`` its fast path; call after the weights are loaded (and never train).
+
+    A head tied to the token embedding is packed like any layer when our kernel can read the
+    packed layout; the embedding then looks rows up in it (``PackedEmbedding``), so the shared
+    matrix is held once."""
+    keep_plain = os.environ.get("TOKENLINE_KEEP_PLAIN_WEIGHTS", "0") == "1"
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed_tokens", None)
+    tied = isinstance(head, Linear) and isinstance(embed, nn.Embedding) and head.weight is embed.weight
     for module in model.modules():
         if isinstance(module, Linear):
-            module.prepare_for_inference()
+            module.prepare_for_inference(keep_plain=keep_plain or (tied and module is head))
+    if tied and not keep_plain and head._packed is not None and head._packed.layout is not None:
+        model.embed_tokens = PackedEmbedding(head)
+        head.register_parameter("weight", None)
 
 
 class GatedMLP(nn.Module):

@@ -677,3 +677,108 @@ void tl_rotary_bf16(uint16_t *qkv, int64_t row_stride, const uint16_t *cos, cons
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * y[M, N] = x[M, K] @ w^T with w in oneDNN's packed layout for bfloat16 inner products
+ * (AB<P>b<NB>a2b): tiles of NB output columns x 2P inputs, ordered by column block then input
+ * block; inside a tile, input pair p holds NB columns x 2 inputs. N and K are zero-padded to
+ * whole tiles. Reading this copy lets a layer keep one weight: oneDNN serves larger batches from
+ * the same bytes. Threads split the column blocks. Each input pair is one dpbf16 per 16 columns
+ * against the broadcast pair of x: no horizontal sums.
+ */
+static void blocked_tile_generic(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t jb,
+                                 int64_t N, int64_t K, int64_t NB, int64_t P, int64_t kblocks) {
+    const uint16_t *tile = w + jb * kblocks * P * NB * 2;
+    for (int64_t c = 0; c < NB && jb * NB + c < N; c++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t kb = k / (2 * P), p = (k % (2 * P)) / 2;
+            acc += bf16_to_f32(x[m * K + k]) * bf16_to_f32(tile[((kb * P + p) * NB + c) * 2 + (k & 1)]);
+        }
+        y[m * N + jb * NB + c] = f32_to_bf16(acc);
+    }
+}
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void blocked_tile_avx512(const uint16_t *x, const uint16_t *w,
+                                                                      uint16_t *y, const int MT, const int NV,
+                                                                      int64_t m0, int64_t jb, int64_t N,
+                                                                      int64_t K, int64_t P, int64_t kblocks) {
+    const int64_t NB = 16 * NV;
+    /* Few accumulators (one row, narrow tiles) would wait on each other's latency: then even and
+     * odd pairs go to two sets, summed at the end. */
+    const int SETS = MT * NV <= 8 ? 2 : 1;
+    __m512 acc[2][4][4];
+    for (int s = 0; s < SETS; s++)
+        for (int r = 0; r < MT; r++)
+            for (int v = 0; v < NV; v++) acc[s][r][v] = _mm512_setzero_ps();
+    const uint16_t *tile = w + jb * kblocks * P * NB * 2;
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        const int64_t k0 = kb * 2 * P;
+        const int64_t left = (K - k0 + 1) / 2;
+        const int64_t pairs = left < P ? left : P;
+        const uint16_t *t = tile + kb * P * NB * 2;
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t k = k0 + 2 * p;
+            __m512bh wv[4];
+            for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(t + p * NB * 2 + v * 32);
+            for (int r = 0; r < MT; r++) {
+                const uint16_t *xr = x + (m0 + r) * K + k;
+                uint32_t pair;
+                if (k + 1 < K) {
+                    memcpy(&pair, xr, sizeof pair); /* one broadcast load */
+                } else {
+                    pair = xr[0]; /* odd K: the padding input's weight is 0, its x must be too */
+                }
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                const int s = SETS == 2 ? (int)(p & 1) : 0;
+                for (int v = 0; v < NV; v++) acc[s][r][v] = _mm512_dpbf16_ps(acc[s][r][v], wv[v], xv);
+            }
+        }
+    }
+    if (SETS == 2)
+        for (int r = 0; r < MT; r++)
+            for (int v = 0; v < NV; v++) acc[0][r][v] = _mm512_add_ps(acc[0][r][v], acc[1][r][v]);
+    for (int r = 0; r < MT; r++)
+        for (int v = 0; v < NV; v++) {
+            const int64_t n0 = jb * NB + v * 16;
+            if (n0 >= N) continue;
+            const int64_t count = N - n0 < 16 ? N - n0 : 16;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[0][r][v]);
+            _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, (__mmask16)((1u << count) - 1u), out);
+        }
+}
+
+#define TL_BLOCKED_ROWS(NV)                                                                              \
+    switch (mt) {                                                                                        \
+    case 4: blocked_tile_avx512(x, w, y, 4, NV, m0, jb, N, K, P, kblocks); break;                       \
+    case 3: blocked_tile_avx512(x, w, y, 3, NV, m0, jb, N, K, P, kblocks); break;                       \
+    case 2: blocked_tile_avx512(x, w, y, 2, NV, m0, jb, N, K, P, kblocks); break;                       \
+    default: blocked_tile_avx512(x, w, y, 1, NV, m0, jb, N, K, P, kblocks); break;                      \
+    }
+#endif
+
+void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                            int64_t NB, int64_t P) {
+    const int64_t kblocks = (K + 2 * P - 1) / (2 * P);
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t jb = 0; jb < nblocks; jb++) {
+#if defined(__AVX512BF16__)
+        if (NB == 16 || NB == 32 || NB == 64) {
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+                if (NB == 16) {
+                    TL_BLOCKED_ROWS(1)
+                } else if (NB == 32) {
+                    TL_BLOCKED_ROWS(2)
+                } else {
+                    TL_BLOCKED_ROWS(4)
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t m = 0; m < M; m++) blocked_tile_generic(x, w, y, m, jb, N, K, NB, P, kblocks);
+    }
+}
