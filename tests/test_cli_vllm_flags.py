@@ -54,6 +54,12 @@ def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
     assert s.model == str(default_model_dir) and s.served_model_name is None
     assert s.generation_config == "auto" and s.chat_template is None and s.engine.seed is None
     assert s.engine.enable_prefix_caching and idle == []
+    assert not s.engine.prefix_cache_fills_pool  # resident KV follows use unless asked otherwise
+
+
+def test_prefix_cache_fills_pool_reaches_the_engine(default_model_dir: Path) -> None:
+    s, idle = settings(default_model_dir, "--prefix-cache-fills-pool")
+    assert s.engine.prefix_cache_fills_pool and idle == []
 
 
 def test_inline_chat_template_with_escaped_newlines(default_model_dir: Path) -> None:

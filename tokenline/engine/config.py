@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Free cached prefixes are evicted (LRU) before never-touched blocks are used, so resident KV
+    # memory is the peak in use; True keeps them until the whole pool is in use (block_pool.py).
+    prefix_cache_fills_pool: bool = False
     # Hybrid models: prefix caching through recurrent-state checkpoints, one kept every this many
     # tokens (a multiple of block_size; None: 4 blocks) besides each prompt's end and each
     # sequence's deepest block; the pool holds this many (None: 2 x max_num_seqs, at most half of
@@ -193,6 +196,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, config.kv_cache_events,
         num_checkpoints=num_checkpoints,
         checkpoint_interval=config.hybrid_state_checkpoint_interval or 4 * config.block_size,
+        cache_fills_pool=config.prefix_cache_fills_pool,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
