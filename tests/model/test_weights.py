@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,3 +74,25 @@ def test_no_lm_head_in_the_checkpoint_means_tied(checkpoint: tuple[ModelConfig, 
     model = LlamaForCausalLM(config)
     model.load_weights(state.items())
     assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_iter_safetensors_reads_what_safe_open_reads(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tokenline.model.weights import iter_safetensors
+
+    tensors = {
+        "b.weight": torch.randn(7, 5).to(torch.bfloat16),
+        "a.ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "c.scalar": torch.tensor(2.5),
+        "d.empty": torch.empty(0, 4),
+        "e.half": torch.randn(3).half(),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ours = list(iter_safetensors(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert [name for name, _ in ours] == list(handle.keys())
+        for name, tensor in ours:
+            expected = handle.get_tensor(name)
+            assert tensor.dtype == expected.dtype and tensor.shape == expected.shape and torch.equal(tensor, expected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
@@ -40,4 +41,14 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(iter_safetensors(model_dir))
     prepare_for_inference(model)
+    _return_freed_memory()
     return model.eval()
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages freed while loading (checkpoint buffers, plain weights replaced by packed
+    ones) back to the OS; glibc keeps them resident otherwise. A no-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

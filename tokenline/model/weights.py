@@ -7,6 +7,8 @@ which shard of which merged module; everything else is copied by name.
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,14 +22,42 @@ if TYPE_CHECKING:
     from tokenline.model.interface import CausalLM
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} holds no *.safetensors weights")
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        yield from _read_one_by_one(path)
+
+
+def _read_one_by_one(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor read into its own buffer: no mapping of the whole file, whose pages would count
+    in the process's peak RSS until it is closed (a float32 checkpoint is twice the bf16 model)."""
+    with path.open("rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        if any(info["dtype"] not in _SAFETENSORS_DTYPES for info in header.values()):
+            with safe_open(str(path), framework="pt") as handle:  # a dtype we do not read ourselves
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+            return
+        for name in sorted(header):
+            info = header[name]
+            start, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+            if end > start:
+                f.seek(8 + header_len + start)
+                if f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != end - start:
+                    raise ValueError(f"{path}: tensor {name!r} is cut short")
+            yield name, tensor
 
 
 def route(name: str, mapping: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
