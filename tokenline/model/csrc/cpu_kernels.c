@@ -357,7 +357,8 @@ static inline __attribute__((always_inline)) void attend_item(
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         for (int64_t g = 0; g < ng; g++) {
             const int64_t krow = row0 + g * Dh;
-            for (int64_t i = 0; i < next_n; i++) prefetch_row(k_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
+            for (int64_t i = 0; i < next_n; i++)
+                prefetch_row(k_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
             for (int64_t j = 0; j < group; j++) {
                 const int64_t h = g * group + j;
                 const __m512 *qh = qv + h * qchunks;
@@ -385,7 +386,8 @@ static inline __attribute__((always_inline)) void attend_item(
                 _mm512_storeu_ps(p[j], e);
             }
             const int64_t vrow = row0 + g * Dh;
-            for (int64_t i = 0; i < next_n; i++) prefetch_row(v_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
+            for (int64_t i = 0; i < next_n; i++)
+                prefetch_row(v_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
 #if TL_DP_BF16
             if (pv_pairs) {
                 const uint16_t *v = (const uint16_t *)v_cache + vrow;
@@ -407,14 +409,16 @@ static inline __attribute__((always_inline)) void attend_item(
             if (dtype == TL_BFLOAT16)
                 for (int64_t i = 0; i < n; i++)
                     for (int64_t c = 0; c < nv; c++)
-                        _mm512_storeu_ps(vf + i * Dh + c * 16, load16(v_cache, vrow + i * token_stride + c * 16, dtype));
+                        _mm512_storeu_ps(vf + i * Dh + c * 16,
+                                         load16(v_cache, vrow + i * token_stride + c * 16, dtype));
             for (int64_t j = 0; j < group; j++) {
                 __m512 *a = acc + (g * group + j) * nv;
                 __m512 r[TL_MAX_DH16];
                 for (int64_t c = 0; c < nv; c++) r[c] = a[c];
                 for (int64_t i = 0; i < n; i++) {
                     const __m512 w = _mm512_set1_ps(p[j][i]);
-                    for (int64_t c = 0; c < nv; c++) r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + i * vt_stride + c * 16), r[c]);
+                    for (int64_t c = 0; c < nv; c++)
+                        r[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vt + i * vt_stride + c * 16), r[c]);
                 }
                 for (int64_t c = 0; c < nv; c++) a[c] = r[c];
             }
@@ -448,7 +452,8 @@ static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q
                                  int64_t ng, int64_t group, int64_t block_size, int64_t token_stride, float scale,
                                  float *m, float *l, __m512 *acc) {
 #define TL_ATTEND(DT, NV) \
-    attend_item(DT, NV, q, q_index, k_cache, v_cache, table, t0, t1, g0, ng, group, block_size, token_stride, scale, m, l, acc)
+    attend_item(DT, NV, q, q_index, k_cache, v_cache, table, t0, t1, g0, ng, group, block_size, token_stride, scale, \
+                m, l, acc)
     if (dtype == TL_BFLOAT16) {
         if (nv == 4) TL_ATTEND(TL_BFLOAT16, 4);
         else if (nv == 8) TL_ATTEND(TL_BFLOAT16, 8);
@@ -561,7 +566,8 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
                                      scale, m, l, acc);
                 for (int64_t h = 0; h < heads; h++) {
                     if (chunks == 1) {
-                        store_row(dtype, out, (d * H + g0 * group + h) * Dh, acc + h * nv, nv, l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+                        store_row(dtype, out, (d * H + g0 * group + h) * Dh, acc + h * nv, nv,
+                                  l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
                     } else {
                         float *rec = partial + (item * heads + h) * (Dh + 2);
                         rec[0] = m[h];
@@ -570,31 +576,31 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
                     }
                 }
             }
-            if (chunks > 1) {
-                /* The implicit barrier above has every run done: rescale each to the common max. */
-#pragma omp for schedule(static)
-                for (int64_t dh = 0; dh < D * H; dh++) {
-                    const int64_t d = dh / H, h = dh % H;
-                    const int64_t kv_item = h / heads, hi = h % heads;
-                    const int64_t first = (d * kv_items + kv_item) * chunks;
-                    float mx = -INFINITY;
-                    for (int64_t c = 0; c < chunks; c++) {
-                        const float mc = partial[((first + c) * heads + hi) * (Dh + 2)];
-                        mx = mc > mx ? mc : mx;
-                    }
-                    float total = 0.0f;
-                    __m512 sum[TL_MAX_DH16];
-                    for (int64_t v = 0; v < nv; v++) sum[v] = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < chunks; c++) {
-                        const float *rec = partial + ((first + c) * heads + hi) * (Dh + 2);
-                        if (rec[1] == 0.0f) continue; /* a run past this sequence's end */
-                        const float w = exp_nonpositive(rec[0] - mx);
-                        total += w * rec[1];
-                        for (int64_t v = 0; v < nv; v++)
-                            sum[v] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(rec + 2 + v * 16), sum[v]);
-                    }
-                    store_row(dtype, out, dh * Dh, sum, nv, total > 0.0f ? 1.0f / total : 0.0f);
+        }
+        if (chunks > 1) {
+            /* Every run is done: rescale each to the common max. Runs exist only for a few
+             * sequences, so this is a few rows, merged here rather than behind a second barrier. */
+            for (int64_t dh = 0; dh < D * H; dh++) {
+                const int64_t d = dh / H, h = dh % H;
+                const int64_t kv_item = h / heads, hi = h % heads;
+                const int64_t first = (d * kv_items + kv_item) * chunks;
+                float mx = -INFINITY;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float mc = partial[((first + c) * heads + hi) * (Dh + 2)];
+                    mx = mc > mx ? mc : mx;
                 }
+                float total = 0.0f;
+                __m512 sum[TL_MAX_DH16];
+                for (int64_t v = 0; v < nv; v++) sum[v] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *rec = partial + ((first + c) * heads + hi) * (Dh + 2);
+                    if (rec[1] == 0.0f) continue; /* a run past this sequence's end */
+                    const float w = exp_nonpositive(rec[0] - mx);
+                    total += w * rec[1];
+                    for (int64_t v = 0; v < nv; v++)
+                        sum[v] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(rec + 2 + v * 16), sum[v]);
+                }
+                store_row(dtype, out, dh * Dh, sum, nv, total > 0.0f ? 1.0f / total : 0.0f);
             }
         }
         free(partial);
