@@ -560,7 +560,8 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
                 const int64_t chunk = item % chunks;
                 const int64_t len = lens[d];
                 const int64_t t0 = chunk * blocks_per_chunk * block_size;
-                const int64_t t1 = t0 + blocks_per_chunk * block_size < len ? t0 + blocks_per_chunk * block_size : len;
+                const int64_t run_end = t0 + blocks_per_chunk * block_size;
+                const int64_t t1 = chunks == 1 || run_end > len ? len : run_end; /* unsplit: all, whatever max_len */
                 attend_item_dispatch(dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
                                      tables + d * width, t0, t1, g0, kv_per_item, group, block_size, token_stride,
                                      scale, m, l, acc);
@@ -724,23 +725,32 @@ static inline __attribute__((always_inline)) void blocked_tile_avx512(const uint
         const int64_t left = (K - k0 + 1) / 2;
         const int64_t pairs = left < P ? left : P;
         const uint16_t *t = tile + kb * P * NB * 2;
-        for (int64_t p = 0; p < pairs; p++) {
-            const int64_t k = k0 + 2 * p;
-            __m512bh wv[4];
-            for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(t + p * NB * 2 + v * 32);
-            for (int r = 0; r < MT; r++) {
-                const uint16_t *xr = x + (m0 + r) * K + k;
-                uint32_t pair;
-                if (k + 1 < K) {
-                    memcpy(&pair, xr, sizeof pair); /* one broadcast load */
-                } else {
-                    pair = xr[0]; /* odd K: the padding input's weight is 0, its x must be too */
-                }
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-                const int s = SETS == 2 ? (int)(p & 1) : 0;
-                for (int v = 0; v < NV; v++) acc[s][r][v] = _mm512_dpbf16_ps(acc[s][r][v], wv[v], xv);
-            }
+        /* Unrolled by two so that the accumulator set is a constant (a runtime index would keep
+         * the accumulators in memory). */
+#define TL_BLOCKED_PAIR(P_, S_)                                                                           \
+    do {                                                                                                 \
+        const int64_t k = k0 + 2 * (P_);                                                                 \
+        __m512bh wv[4];                                                                                  \
+        for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(t + (P_) * NB * 2 + v * 32);   \
+        for (int r = 0; r < MT; r++) {                                                                   \
+            const uint16_t *xr = x + (m0 + r) * K + k;                                                   \
+            uint32_t pair;                                                                               \
+            if (k + 1 < K) {                                                                             \
+                memcpy(&pair, xr, sizeof pair); /* one broadcast load */                                 \
+            } else {                                                                                     \
+                pair = xr[0]; /* odd K: the padding input's weight is 0, its x must be too */            \
+            }                                                                                            \
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                                  \
+            for (int v = 0; v < NV; v++) acc[S_][r][v] = _mm512_dpbf16_ps(acc[S_][r][v], wv[v], xv);     \
+        }                                                                                                \
+    } while (0)
+        int64_t p = 0;
+        for (; p + 1 < pairs; p += 2) {
+            TL_BLOCKED_PAIR(p, 0);
+            TL_BLOCKED_PAIR(p + 1, SETS - 1);
         }
+        if (p < pairs) TL_BLOCKED_PAIR(p, 0);
+#undef TL_BLOCKED_PAIR
     }
     if (SETS == 2)
         for (int r = 0; r < MT; r++)
