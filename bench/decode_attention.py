@@ -36,12 +36,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from tokenline.bench.roofline import cpu_sample, measure_bandwidth, others_cpu_share, parse_size  # noqa: E402
-from tokenline.model import cpu_kernels  # noqa: E402
-from tokenline.model.attention import _gather_tables  # noqa: E402
+from tokenline.bench.roofline import (
+    cpu_sample,
+    measure_bandwidth,
+    others_cpu_share,
+    parse_size,
+)
+from tokenline.model import cpu_kernels
+from tokenline.model.attention import _gather_tables
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DEFAULT_BASELINE = "80198e2"  # the previous round's kernel (1.27 ms a layer at 32 x 320 in the engine)
@@ -70,7 +75,7 @@ def old_kernels(rev: str) -> cpu_kernels.CpuKernels | None:
     return kernels
 
 
-def torch_decode(q, k_cache, v_cache, tables, lens, max_len, scale):  # noqa: ARG001 (same signature as the kernel)
+def torch_decode(q, k_cache, v_cache, tables, lens, max_len, scale):
     """paged_attention's path without the C kernel: gather the blocks, mask, SDPA."""
     keys, values = _gather_tables(k_cache, tables), _gather_tables(v_cache, tables)
     cols = torch.arange(tables.shape[1] * k_cache.shape[1])

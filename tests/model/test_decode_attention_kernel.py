@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the
 def _reference(q, k_cache, v_cache, tables, lens) -> torch.Tensor:
     """Per sequence: gather its first len rows, attend in float64; query head h reads KV head h // group."""
     num_seqs, heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
     out = torch.empty(num_seqs, heads, head_dim, dtype=torch.float64)
     for d in range(num_seqs):
         n = int(lens[d])
