@@ -69,13 +69,15 @@ def reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[in
     return expected
 
 
-def use_engine(llm: LLM, num_blocks: int, block_size: int = 16, budget: int = 2048, prefix: bool = True) -> None:
+def use_engine(
+    llm: LLM, num_blocks: int, block_size: int = 16, budget: int = 2048, prefix: bool = True, fills_pool: bool = False
+) -> None:
     """Give the LLM a fresh engine around the already loaded model (loading it again is slow)."""
     runner = llm.engine.runner
     runner.allocate_kv_cache(num_blocks, block_size)
     llm.engine = EngineCore(
         runner,
-        KVCacheManager(num_blocks, block_size, prefix),
+        KVCacheManager(num_blocks, block_size, prefix, cache_fills_pool=fills_pool),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=budget, max_model_len=runner.max_model_len),
         eos_token_ids=runner.config.eos_token_ids,
         check_integrity_every_step=True,
@@ -122,7 +124,9 @@ def test_tiny_kv_pool_forces_preemptions(llm: LLM, prompts: list[list[int]], ref
 def test_prefix_cache_on_and_off_give_the_same_tokens(
     llm: LLM, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    use_engine(llm, num_blocks=256, block_size=4, prefix=True)
+    # The pool keeps every freed prefix while it has untouched blocks (by default cached blocks are
+    # evicted before new memory is touched, and the second pass would evict its own prefixes).
+    use_engine(llm, num_blocks=256, block_size=4, prefix=True, fills_pool=True)
     assert greedy(llm, prompts) == reference
     # Second pass: every prompt's full blocks are cached now.
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -61,6 +61,9 @@ def core(default_model_dir: Path) -> EngineCore:
         check_integrity_every_step=True,
         enable_kv_cache_events=True,
         max_num_batched_tokens=64,  # prompts prefill in chunks, caching blocks as they fill
+        # Evictions only once the pool is full, as the story below tells it (by default cached
+        # blocks go before untouched ones; tests/engine/test_block_pool.py checks those events).
+        prefix_cache_fills_pool=True,
     )
     return build_engine_core(config, default_model_dir)
 
