@@ -57,14 +57,15 @@ def expected(llm: LLM, prompts: dict[str, list[int]]) -> list[list[int]]:
 
 
 def use_engine(
-    llm: LLM, speculative: bool, num_blocks: int = 128, block_size: int = 16, prefix: bool = False
+    llm: LLM, speculative: bool, num_blocks: int = 128, block_size: int = 16, prefix: bool = False,
+    fills_pool: bool = False,
 ) -> None:
     """A fresh engine around the loaded model, with or without the n-gram proposer."""
     runner = llm.engine.runner
     runner.allocate_kv_cache(num_blocks, block_size)
     llm.engine = EngineCore(
         runner,
-        KVCacheManager(num_blocks, block_size, prefix),
+        KVCacheManager(num_blocks, block_size, prefix, cache_fills_pool=fills_pool),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=runner.max_model_len),
         eos_token_ids=runner.config.eos_token_ids,
         check_integrity_every_step=True,
@@ -154,7 +155,9 @@ def test_tiny_kv_pool_forces_preemptions(llm: LLM, prompts: dict[str, list[int]]
 
 def test_prefix_cache_on(llm: LLM, prompts: dict[str, list[int]], expected: list[list[int]]) -> None:
     ids = list(prompts.values())
-    use_engine(llm, speculative=True, num_blocks=256, block_size=4, prefix=True)
+    # Every freed prefix stays while the pool has room (by default cached blocks are evicted
+    # before untouched ones, and each pass would evict the next prompt's prefix).
+    use_engine(llm, speculative=True, num_blocks=256, block_size=4, prefix=True, fills_pool=True)
     assert generate(llm, ids, [GREEDY] * len(ids)) == expected
     # Again on the same engine: prompt blocks come from the cache now, and with them the blocks
     # written through accepted drafts (prompt + output as the new prompt).

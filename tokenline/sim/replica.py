@@ -129,7 +129,8 @@ class SimulatedReplica:
         clock = WallClock(self.speed)
         runner = ReplicaRunner(clock, self.profile, vocab_size, avoid)
         kv_cache = KVCacheManager(num_kv_blocks(self.profile, config), config.block_size,
-                                  config.enable_prefix_caching, 0, config.kv_cache_events)
+                                  config.enable_prefix_caching, 0, config.kv_cache_events,
+                                  cache_fills_pool=config.prefix_cache_fills_pool)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
