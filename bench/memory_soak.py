@@ -7,12 +7,12 @@ fresh prompts each round (no prefix hits between rounds; ``ignore_eos``), and af
 script prints both processes' RSS and the engine's peak RSS (VmHWM). Then one round at
 ``--peak-concurrency`` (default 32) for the peak figure. Variants, side by side in one run:
 
-  new          the defaults: freed KV blocks reused first, one copy of each linear weight
-  fills-pool   --prefix-cache-fills-pool: cached prefixes kept until the whole pool is in use
-               (the block order before this change)
-  two-copies   TOKENLINE_KEEP_PLAIN_WEIGHTS=1: the plain weights kept beside the oneDNN-packed ones
-               (the weight memory before this change)
-  old          both of the above
+  new          --no-prefix-cache-fills-pool: freed KV blocks, cached or not, reused before never-touched
+               ones; one copy of each linear weight
+  fills-pool   the default block order: cached prefixes kept until the whole pool is in use
+  two-copies   like new, with TOKENLINE_KEEP_PLAIN_WEIGHTS=1: the plain weights kept beside the
+               oneDNN-packed ones (the weight memory before this change)
+  old          fills-pool and two copies
 
     .venv/bin/python bench/memory_soak.py                       # 6 rounds x 64, c=8, 256 in / 64 out
     .venv/bin/python bench/memory_soak.py --variants new old --rounds 3 --num-prompts 16 --threads 1
@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
 
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "new": ([], {}),
-    "fills-pool": (["--prefix-cache-fills-pool"], {}),
-    "two-copies": ([], {"TOKENLINE_KEEP_PLAIN_WEIGHTS": "1"}),
+    "new": (["--no-prefix-cache-fills-pool"], {}),
+    "fills-pool": ([], {}),
+    "two-copies": (["--no-prefix-cache-fills-pool"], {"TOKENLINE_KEEP_PLAIN_WEIGHTS": "1"}),
     "old": (["--prefix-cache-fills-pool"], {"TOKENLINE_KEEP_PLAIN_WEIGHTS": "1"}),
 }
 MIB = 1 << 20

@@ -54,7 +54,7 @@ def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
     assert s.model == str(default_model_dir) and s.served_model_name is None
     assert s.generation_config == "auto" and s.chat_template is None and s.engine.seed is None
     assert s.engine.enable_prefix_caching and idle == []
-    assert not s.engine.prefix_cache_fills_pool  # resident KV follows use unless asked otherwise
+    assert s.engine.prefix_cache_fills_pool  # the prefix cache keeps the pool unless asked otherwise
 
 
 def test_prefix_cache_fills_pool_reaches_the_engine(default_model_dir: Path) -> None:

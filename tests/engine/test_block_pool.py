@@ -135,7 +135,7 @@ def test_freed_blocks_are_reused_before_never_touched_ones() -> None:
 
 
 def test_cached_blocks_are_evicted_lru_before_touching_fresh_memory() -> None:
-    pool = BlockPool(100, enable_kv_cache_events=True)
+    pool = BlockPool(100, enable_kv_cache_events=True, cache_fills_pool=False)
     old = _cached_blocks(pool, 2, 0)
     new = _cached_blocks(pool, 2, 10)
     spare = pool.allocate(1)
@@ -175,7 +175,7 @@ def test_resident_blocks_stay_at_the_peak_in_use_under_unique_traffic() -> None:
     """Many rounds of requests with unique (cached, never reused) prompts: the touched part of the
     pool stops at the most blocks held at once, and the events still replay to the index."""
     rng = random.Random(7)
-    pool = BlockPool(4096, enable_kv_cache_events=True)
+    pool = BlockPool(4096, enable_kv_cache_events=True, cache_fills_pool=False)
     index = CachedBlockIndex()
     held: list[list[int]] = []
     peak = 0

@@ -70,7 +70,7 @@ def reference(default_model_dir: Path, prompts: list[list[int]]) -> list[list[in
 
 
 def use_engine(
-    llm: LLM, num_blocks: int, block_size: int = 16, budget: int = 2048, prefix: bool = True, fills_pool: bool = False
+    llm: LLM, num_blocks: int, block_size: int = 16, budget: int = 2048, prefix: bool = True, fills_pool: bool = True
 ) -> None:
     """Give the LLM a fresh engine around the already loaded model (loading it again is slow)."""
     runner = llm.engine.runner

@@ -58,7 +58,7 @@ def expected(llm: LLM, prompts: dict[str, list[int]]) -> list[list[int]]:
 
 def use_engine(
     llm: LLM, speculative: bool, num_blocks: int = 128, block_size: int = 16, prefix: bool = False,
-    fills_pool: bool = False,
+    fills_pool: bool = True,
 ) -> None:
     """A fresh engine around the loaded model, with or without the n-gram proposer."""
     runner = llm.engine.runner

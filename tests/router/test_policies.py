@@ -266,7 +266,7 @@ def test_precise_kv_reads_our_own_block_pool_events() -> None:
     policy = PreciseKV()
     policy.on_kv_events("r1", pool.take_events())
     assert policy.choose(RouteRequest("q", token_ids=tokens), replicas(0, 0)) == RouteDecision("r1", "prefix", 3 * B)
-    pool.allocate(2)  # freed blocks before the never-used one: the tail's two cached blocks evicted
+    pool.allocate(3)  # the never-used block first, then the freed tail: two cached blocks evicted
     events = pool.take_events()
     assert [type(e) for e in events] == [BlockRemoved]
     policy.on_kv_events("r1", events)

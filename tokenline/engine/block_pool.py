@@ -9,15 +9,16 @@ touched, so only blocks that were ever written are resident. ``allocate`` takes,
 
 1. *spare* blocks: touched before, free, holding no findable prefix (most recently freed first,
    still warm in the CPU caches) — reusing them costs nothing;
-2. *cached* free blocks, least recently freed first (LRU), each eviction recorded as
-   ``BlockRemoved``;
-3. *fresh* blocks, never touched, in ascending id order (the resident part of the pool is the
-   prefix of ids below :attr:`BlockPool.num_touched_blocks`).
+2. *fresh* blocks, never touched, in ascending id order (the resident part of the pool is the
+   prefix of ids below :attr:`BlockPool.num_touched_blocks`);
+3. *cached* free blocks, least recently freed first (LRU), each eviction recorded as
+   ``BlockRemoved``.
 
-So resident KV memory is the peak number of blocks in use at once, and the prefix cache keeps
-what fits beside it. With ``cache_fills_pool`` (``--prefix-cache-fills-pool``) fresh blocks come
-before cached ones instead: cached prefixes stay until the whole pool is in use, at the price of
-the whole pool becoming resident under traffic with little reuse.
+That is ``cache_fills_pool`` (the default, ``--prefix-cache-fills-pool``): cached prefixes stay
+until the whole pool is in use, so traffic with little reuse makes the whole pool resident in the
+end. Without it (``--no-prefix-cache-fills-pool``) 3 comes before 2: resident KV is the peak
+number of blocks in use at once, and the prefix cache keeps only what fits beside it (under steady
+load, the gap between the peak and the current use).
 
 With ``enable_kv_cache_events`` the pool records, in vLLM's shape, every hash it makes findable
 (``BlockStored``), every hash it forgets on eviction (``BlockRemoved``) and every reset
@@ -48,7 +49,7 @@ class BlockPool:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         enable_kv_cache_events: bool = False,
-        cache_fills_pool: bool = False,
+        cache_fills_pool: bool = True,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")

@@ -30,9 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # Free cached prefixes are evicted (LRU) before never-touched blocks are used, so resident KV
-    # memory is the peak in use; True keeps them until the whole pool is in use (block_pool.py).
-    prefix_cache_fills_pool: bool = False
+    # Free cached prefixes stay until the whole pool is in use (the prefix cache is worth its
+    # memory); False evicts them before never-touched blocks, so resident KV is the peak in use.
+    prefix_cache_fills_pool: bool = True
     # Hybrid models: prefix caching through recurrent-state checkpoints, one kept every this many
     # tokens (a multiple of block_size; None: 4 blocks) besides each prompt's end and each
     # sequence's deepest block; the pool holds this many (None: 2 x max_num_seqs, at most half of

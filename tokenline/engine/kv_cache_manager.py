@@ -41,7 +41,7 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         num_checkpoints: int = 0,
         checkpoint_interval: int = 0,
-        cache_fills_pool: bool = False,
+        cache_fills_pool: bool = True,
     ) -> None:
         # A cached KV prefix alone is useless to a hybrid model (its linear layers' state never saw
         # those tokens): prefix caching there needs state checkpoints.
