@@ -219,6 +219,22 @@ class GatedDeltaNet(nn.Module):
         recurrent_state[slot] = final
         out[done:].copy_(core)
 
+    def _conv_windows(
+        self, mixed: torch.Tensor, spans: list[PrefillSpan], conv_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each span's conv window, padded to the longest span: the slot's saved history when the
+        span continues its sequence (else zeros), then its tokens; and the activated conv output
+        [spans, conv_dim, longest] over those windows in one call."""
+        history = self.kernel - 1
+        longest = max(span.num_tokens for span in spans)
+        windows = mixed.new_zeros(len(spans), self.conv_dim, history + longest)
+        for b, span in enumerate(spans):
+            if span.context_len > span.num_tokens:
+                windows[b, :, :history] = conv_state[span.state_slot]
+            windows[b, :, history : history + span.num_tokens] = mixed[span.start : span.start + span.num_tokens].t()
+        conv_out = F.silu(F.conv1d(windows.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
+        return windows, conv_out
+
     def _prefill_batched(
         self,
         mixed: torch.Tensor,
@@ -232,17 +248,8 @@ class GatedDeltaNet(nn.Module):
         longest), rather than one after another: the same maths as :meth:`_prefill` per span."""
         conv_state, recurrent_state = state
         history = self.kernel - 1
-        longest = max(span.num_tokens for span in spans)
-        windows = mixed.new_zeros(len(spans), self.conv_dim, history + longest)
-        initial = []
-        for b, span in enumerate(spans):
-            n = span.num_tokens
-            continues = span.context_len > n
-            if continues:
-                windows[b, :, :history] = conv_state[span.state_slot]
-            windows[b, :, history : history + n] = mixed[span.start : span.start + n].t()
-            initial.append(recurrent_state[span.state_slot] if continues else None)
-        conv_out = F.silu(F.conv1d(windows.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
+        windows, conv_out = self._conv_windows(mixed, spans, conv_state)
+        initial = [recurrent_state[s.state_slot] if s.context_len > s.num_tokens else None for s in spans]
         for b, span in enumerate(spans):
             n = span.num_tokens
             conv_state[span.state_slot] = windows[b, :, n : n + history]
@@ -293,22 +300,18 @@ class GatedDeltaNet(nn.Module):
         6.4-6.6 / 18-21 / 26-35 (16-25).
         """
         conv_state, recurrent_state = state
-        history = self.kernel - 1
         longest = max(span.num_tokens for span in spans)
         batch = len(spans)
-        windows = mixed.new_zeros(batch, self.conv_dim, history + longest)
+        windows, conv_out = self._conv_windows(mixed, spans, conv_state)
         initial = recurrent_state.new_zeros(batch, *recurrent_state.shape[1:])
         g_rows = g.new_zeros(batch, longest, self.num_v_heads)
         beta_rows = beta.new_zeros(batch, longest, self.num_v_heads)
         for b, span in enumerate(spans):
             rows = slice(span.start, span.start + span.num_tokens)
             if span.context_len > span.num_tokens:  # else a one-token prompt: zero state
-                windows[b, :, :history] = conv_state[span.state_slot]
                 initial[b] = recurrent_state[span.state_slot]
-            windows[b, :, history : history + span.num_tokens] = mixed[rows].t()
             g_rows[b, : span.num_tokens] = g[rows]
             beta_rows[b, : span.num_tokens] = beta[rows]
-        conv_out = F.silu(F.conv1d(windows.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
         acts = conv_out.transpose(1, 2).to(mixed.dtype)  # [B, longest, conv_dim]
         q, k, v = self._split_qkv(acts.reshape(batch * longest, self.conv_dim))
         shape = (batch, longest)
