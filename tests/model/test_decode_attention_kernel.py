@@ -59,10 +59,10 @@ def _case(seed, num_seqs, heads, kv_heads, head_dim, block_size, lens, dtype, sp
     return q, k_cache, v_cache, tables, lens
 
 
-def _check(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
+def _check(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype, rtol32: float = 1e-5) -> None:
     assert torch.isfinite(ours).all()
     if dtype == torch.float32:
-        torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.double(), reference, rtol=rtol32, atol=1e-6)
     else:
         # bf16 output (8-bit mantissa: a rounding step is up to 2^-8 relative) from weights also
         # rounded to bf16 before they meet the values: within two rounding steps of the exact result.
@@ -112,7 +112,9 @@ def test_large_scores_rescale_without_overflow() -> None:
             k_cache[tables[d, t // 16], t % 16] *= 1 + t / 20
     k_cache[tables[0, 3], 5] = q[0, :3] * 50  # token 53 of sequence 0: scores of several hundred
     ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
-    _check(ours, _reference(q, k_cache, v_cache, tables, lens), torch.float32)
+    # A float32 score of several hundred carries ~3e-5 absolute rounding (its ulp), which exp turns
+    # into that much relative error in the weights: the summation order (16 or 8 lanes) shows there.
+    _check(ours, _reference(q, k_cache, v_cache, tables, lens), torch.float32, rtol32=1e-4)
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])

@@ -11,8 +11,9 @@ from tokenline.model.layers import PACKED_BATCH_HINT, Linear, PackedEmbedding, p
 from tokenline.model.packed_weight import pack
 
 needs_packing = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "data_ptr")),
-    reason="oneDNN packing unavailable in this torch build",
+    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "data_ptr")
+         and cpu_kernels.cpu_has_native_bf16()),
+    reason="oneDNN packs bf16 weights only in this torch build on a CPU with native bf16",
 )
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
 
@@ -115,3 +116,21 @@ def test_engine_tokens_same_with_one_copy_and_two(default_model_dir, monkeypatch
     two_copies = run()
     for a, b in zip(one_copy, two_copies):
         assert a[:8] == b[:8]
+
+
+def test_without_native_bf16_linears_keep_the_plain_weight(monkeypatch) -> None:
+    """An AVX2-only CPU: oneDNN would refuse to pack (a crash at load before), so the layer keeps its
+    plain weight and F.linear, and ``auto`` serves float32."""
+    from tokenline.model.loader import resolve_dtype
+
+    monkeypatch.setattr(cpu_kernels, "cpu_has_native_bf16", lambda: False)
+    layer = Linear(64, 32, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, layer.weight)
+    prepare_for_inference(layer)
+    assert layer._packed is None and layer.weight is not None
+    assert torch.allclose(layer(x).float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    monkeypatch.setattr(cpu_kernels, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16

@@ -28,6 +28,12 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX). Elsewhere (an AVX2-only
+    EPYC, say) oneDNN refuses to pack bf16 weights and every bf16 op is emulated."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 _I = ctypes.c_int64
 
 

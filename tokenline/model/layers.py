@@ -158,8 +158,9 @@ class Linear(nn.Linear):
         if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return
         self._kernels = cpu_kernels.load() if self.bias is None else None
-        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-            return
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and cpu_kernels.cpu_has_native_bf16()):
+            return  # oneDNN packs bf16 weights only on CPUs that compute in bf16; F.linear elsewhere
         self._packed = pack(weight, PACKED_BATCH_HINT)
         readable = self._packed.layout is not None
         if not keep_plain and (readable or self._kernels is None):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from tokenline.model.config import ModelConfig
+from tokenline.model import cpu_kernels
 from tokenline.model.interface import CausalLM
 from tokenline.model.layers import prepare_for_inference
 from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
@@ -18,8 +19,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto`` is bfloat16: on CPUs with AVX-512 BF16/AMX and on GPUs it is the faster correct choice."""
+    """``auto`` is bfloat16 on GPUs and on CPUs with native bf16 (AVX-512 BF16/AMX), where it is the
+    faster correct choice; float32 on other CPUs, where bf16 would be emulated (and slower)."""
     if name == "auto":
+        if torch.device(device).type == "cpu" and not cpu_kernels.cpu_has_native_bf16():
+            return torch.float32
         return torch.bfloat16
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
