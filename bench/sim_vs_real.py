@@ -13,7 +13,8 @@ prefill steps' wall times against the profile's prediction): on a shared machine
 when the load of the moment is taken out.
 
     .venv/bin/python bench/sim_vs_real.py PROFILE.json OUT_DIR [--repeats 2] \\
-        [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 8,16,512,16]   # c,num-prompts,in,out
+        [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 8,16,512,16 mt:4,8,4,2,256,32,32]
+        # c,num-prompts,in,out; mt:c,conversations,turns,groups,system-prompt-len,in,out
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tokenline.bench.serve import wait_healthy  # noqa: E402
 from tokenline.sim.profile import Profile  # noqa: E402
+from tokenline.sim.replicas import FleetConfig, simulate_replicas  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
 from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
@@ -67,18 +70,65 @@ def pct(sim: float, real: float) -> str:
     return f"{(sim - real) / real * 100:+.0f} %"
 
 
-def row(profile: Profile, real: dict, steps: list[dict], load: float, repeat: int) -> str:
-    config = SimConfig(concurrency=real["concurrency"], num_prompts=real["num_prompts"], input_len=real["input_len"],
-                       output_len=real["output_len"], seed=real["seed"], kv_cache_memory_gib=1.0)
-    sim = simulate(profile, config).to_dict()
-    adj, decode_speed, prefill_speed = at_run_speed(profile, config, steps)
-    cells = [f"c={real['concurrency']}, {real['input_len']}/{real['output_len']}", str(repeat), f"{load:.1f}"]
+@dataclass(frozen=True)
+class Workload:
+    """One line of ``--workloads``: ``c,num_prompts,in,out`` (random prompts) or
+    ``mt:c,conversations,turns,groups,system_len,in,out`` (``bench serve --workload multiturn``:
+    later turns and shared system prompts hit the prefix cache)."""
+
+    concurrency: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+    fleet: FleetConfig | None = None  # multi-turn: one replica's conversations
+
+    @classmethod
+    def parse(cls, text: str) -> Workload:
+        if text.startswith("mt:"):
+            c, conversations, turns, groups, system_len, i, o = (int(x) for x in text[3:].split(","))
+            fleet = FleetConfig(replicas=1, workload="multiturn", num_groups=groups, num_conversations=conversations,
+                                turns=turns, system_prompt_len=system_len)
+            return cls(c, conversations * turns, i, o, fleet)
+        c, n, i, o = (int(x) for x in text.split(","))
+        return cls(c, n, i, o)
+
+    def label(self) -> str:
+        if self.fleet is None:
+            return f"c={self.concurrency}, {self.input_len}/{self.output_len}"
+        f = self.fleet
+        return (f"c={self.concurrency} multi-turn, {f.num_conversations}×{f.turns} turns, {f.num_groups}×"
+                f"{f.system_prompt_len} system, {self.input_len}/{self.output_len}")
+
+    def bench_args(self) -> list[str]:
+        args = ["--concurrency", str(self.concurrency), "--input-len", str(self.input_len),
+                "--output-len", str(self.output_len)]
+        if self.fleet is None:
+            return [*args, "--num-prompts", str(self.num_prompts)]
+        f = self.fleet
+        return [*args, "--workload", "multiturn", "--num-conversations", str(f.num_conversations), "--turns",
+                str(f.turns), "--num-groups", str(f.num_groups), "--system-prompt-len", str(f.system_prompt_len)]
+
+    def sim_config(self, seed: int) -> SimConfig:
+        return SimConfig(concurrency=self.concurrency, num_prompts=self.num_prompts, input_len=self.input_len,
+                         output_len=self.output_len, seed=seed, kv_cache_memory_gib=1.0)
+
+    def simulate(self, profile: Profile, seed: int) -> dict:
+        config = self.sim_config(seed)
+        if self.fleet is None:
+            return simulate(profile, config).to_dict()
+        return simulate_replicas(profile, config, self.fleet).to_dict()
+
+
+def row(profile: Profile, workload: Workload, real: dict, steps: list[dict], load: float, repeat: int) -> str:
+    sim = workload.simulate(profile, real["seed"])
+    adj, decode_speed, prefill_speed = at_run_speed(profile, workload, real["seed"], steps)
+    cells = [workload.label(), str(repeat), f"{load:.1f}"]
     cells += [f"{real[k]:.0f} / {sim[k]:.0f} ({pct(sim[k], real[k])})" for k in KEYS]
     cells.append(f"×{decode_speed:.2f} / ×{prefill_speed:.2f}: " + " / ".join(pct(adj[k], real[k]) for k in KEYS))
     return "| " + " | ".join(cells) + " |"
 
 
-def at_run_speed(profile: Profile, config: SimConfig, steps: list[dict]) -> tuple[dict, float, float]:
+def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[dict]) -> tuple[dict, float, float]:
     """The simulation with the step model moved to the real run's own speed: the decode-step
     factor (median wall / predicted over its busy pure-decode steps) on a, c, d and g, the prefill
     one (median of what the prefill tokens took over b·P) on b. A shared machine's load changes
@@ -92,7 +142,7 @@ def at_run_speed(profile: Profile, config: SimConfig, steps: list[dict]) -> tupl
     prefill = statistics.median(prefill_rows) if prefill_rows and m.b > 0 else decode
     model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode)
     at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})
-    return simulate(at_speed, config).to_dict(), decode, prefill
+    return workload.simulate(at_speed, seed), decode, prefill
 
 
 def main() -> int:
@@ -100,7 +150,7 @@ def main() -> int:
     parser.add_argument("profile")
     parser.add_argument("out_dir")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workloads", nargs="+", default=["1,6,128,32", "8,16,128,32", "32,32,128,32", "8,16,512,16"])
+    parser.add_argument("--workloads", nargs="+", default=["1,6,128,32", "8,16,128,32", "32,32,128,32", "8,16,512,16", "mt:4,8,4,2,256,32,32"])
     args = parser.parse_args()
     profile = Profile.read(args.profile)
     out = Path(args.out_dir)
@@ -120,16 +170,16 @@ def main() -> int:
                         "--output-len", "4", "--seed", "999"], capture_output=True, cwd=ROOT)  # warm-up
         seed = 100
         for repeat in range(args.repeats):
-            for workload in args.workloads:
-                c, n, i, o = workload.split(",")
+            for spec in args.workloads:
+                workload = Workload.parse(spec)
                 seed += 1
-                tag = f"c{c}_i{i}_o{o}_r{repeat}"
+                tag = f"{spec.replace(':', '').replace(',', '_')}_r{repeat}"
                 steps: list[dict] = []
                 stop = threading.Event()
                 reader = threading.Thread(target=read_steps, args=(url, steps, stop), daemon=True)
                 reader.start()
                 time.sleep(0.5)
-                opts = ["--concurrency", c, "--num-prompts", n, "--input-len", i, "--output-len", o, "--seed", str(seed)]
+                opts = [*workload.bench_args(), "--seed", str(seed)]
                 subprocess.run([*TOKENLINE, "bench", "serve", "--base-url", url, *opts, "--output-json",
                                 str(out / f"{tag}_real.json")], capture_output=True, check=True, cwd=ROOT)
                 load = os.getloadavg()[0]
@@ -137,7 +187,7 @@ def main() -> int:
                 time.sleep(1.2)  # the last steps' events, and a stats tick that wakes the reader
                 (out / f"{tag}_steps.json").write_text(json.dumps(steps))
                 real = json.loads((out / f"{tag}_real.json").read_text())
-                print(row(profile, real, steps, load, repeat), flush=True)
+                print(row(profile, workload, real, steps, load, repeat), flush=True)
     finally:
         server.terminate()
         server.wait(60)
