@@ -174,6 +174,36 @@ def test_approximate_prefix_lru_evicts_leaves_first() -> None:
     assert policy.choose(RouteRequest("b3", token_ids=b), only).predicted_hit_tokens == 4 * B
 
 
+@pytest.mark.parametrize("num_kv_blocks", [0, 10])
+def test_approximate_prefix_tree_holds_no_more_than_the_replica_cache(num_kv_blocks: int) -> None:
+    policy = ApproximatePrefix()
+    states = [ReplicaState("r0", num_kv_blocks=num_kv_blocks), ReplicaState("r1", num_kv_blocks=num_kv_blocks)]
+    group = prompt(1, 6)
+    assert route(policy, RouteRequest("a", token_ids=group), states) == RouteDecision("r0", "smallest_tree")
+    # The fleet sends a long prompt to r0 anyway (a session, a retry): with a 10-block cache r0 must
+    # have evicted the group's 6 blocks to make room for these 10.
+    other = RouteRequest("b", token_ids=prompt(2, 10))
+    policy.choose(other, states)
+    policy.on_routed(other, RouteDecision("r0", "session"))
+    again = policy.choose(RouteRequest("c", token_ids=group + prompt(3, 1)), states)
+    if num_kv_blocks:
+        assert policy.tree_size("r0") == num_kv_blocks
+        assert again == RouteDecision("r1", "smallest_tree")  # placed again, not pinned to r0
+    else:  # capacity unknown: the tree keeps everything up to max_blocks_per_replica
+        assert policy.tree_size("r0") == 16
+        assert again == RouteDecision("r0", "prefix", 6 * B)
+
+
+def test_approximate_prefix_cap_is_the_smaller_of_option_and_cache() -> None:
+    policy = ApproximatePrefix(max_blocks_per_replica=8)
+    states = [ReplicaState("r0", num_kv_blocks=10)]
+    route(policy, RouteRequest("a", token_ids=prompt(1, 12)), states)
+    assert policy.tree_size("r0") == 8
+    policy = ApproximatePrefix(max_blocks_per_replica=20)
+    route(policy, RouteRequest("a", token_ids=prompt(1, 12)), states)
+    assert policy.tree_size("r0") == 10
+
+
 def test_approximate_prefix_groups_share_a_replica_each() -> None:
     policy = ApproximatePrefix()
     groups = [prompt(g, 8) for g in range(4)]

@@ -182,7 +182,7 @@ class FleetClient(EngineClient):
         return ReplicaState(
             name=name, num_running=stats.num_running, num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage, in_flight=self._in_flight[name],
-            block_size=info.block_size if info is not None else 16,
+            block_size=info.block_size if info is not None else 16, num_kv_blocks=stats.num_kv_blocks,
         )
 
     def available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:

@@ -193,9 +193,13 @@ class ApproximatePrefix(RoutingPolicy):
     """SGLang's cache-aware router without events: the router remembers which block keys it sent
     to each replica and assumes they are still cached there.
 
-    Per replica an LRU of keys capped at ``max_blocks_per_replica``. A request's keys are touched
-    deepest first, so a block is always more recent than its descendants and eviction removes
-    leaves before their parents: what remains is still a set of whole prefixes (a tree).
+    Per replica an LRU of keys capped at ``max_blocks_per_replica``, or at the replica's KV cache
+    size when it reports one (``ReplicaState.num_kv_blocks``) and that is smaller: the tree never
+    believes a replica holds more than fits there, so a prefix it must have evicted stops
+    attracting requests and is placed again like a new one (on the smaller, then less loaded tree)
+    instead of pinning its group to a replica that recomputes it every time. A request's keys are
+    touched deepest first, so a block is always more recent than its descendants and eviction
+    removes leaves before their parents: what remains is still a set of whole prefixes (a tree).
 
     Decision, in SGLang's order: (1) imbalance — max load − min load > ``balance_abs_threshold``
     and max load > ``balance_rel_threshold`` × min load: the least loaded replica; (2) the longest
@@ -223,6 +227,7 @@ class ApproximatePrefix(RoutingPolicy):
         self._trees: dict[str, OrderedDict[bytes, None]] = {}
         self._holders = _Holders()
         self._block_size: dict[str, int] = {}
+        self._capacity: dict[str, int] = {}  # replica -> the blocks its tree may hold
         self._memo = _PrefixMemo(text_block_chars)
 
     def tree_size(self, replica: str) -> int:
@@ -231,6 +236,8 @@ class ApproximatePrefix(RoutingPolicy):
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> RouteDecision:
         for replica in replicas:
             self._block_size[replica.name] = replica.block_size
+            self._capacity[replica.name] = min(self.max_blocks_per_replica,
+                                               replica.num_kv_blocks or self.max_blocks_per_replica)
         matched: dict[str, int] = {}
         tokens_per_block: dict[str, int] = {}
         for size in {r.block_size for r in replicas}:
@@ -264,7 +271,7 @@ class ApproximatePrefix(RoutingPolicy):
             else:
                 tree[key] = None
                 self._holders.add(key, name)
-        while len(tree) > self.max_blocks_per_replica:
+        while len(tree) > self._capacity.get(name, self.max_blocks_per_replica):
             key, _ = tree.popitem(last=False)
             self._holders.discard(key, name)
 
@@ -279,6 +286,7 @@ class ApproximatePrefix(RoutingPolicy):
             self._holders.discard(key, replica)
         self._holders.release(replica)
         self._block_size.pop(replica, None)
+        self._capacity.pop(replica, None)
 
 
 class _ReplicaBlocks:

@@ -20,7 +20,9 @@ from tokenline.engine.kv_events import KVCacheEvent
 @dataclass(frozen=True)
 class ReplicaState:
     """One replica as the router sees it at decision time. ``in_flight`` counts the requests this
-    router has sent there and not yet seen finish (fresher than the replica's own reports)."""
+    router has sent there and not yet seen finish (fresher than the replica's own reports).
+    ``num_kv_blocks`` is the size of its KV cache in blocks (engine stats, ``/metrics``), 0 when
+    not known: more than that can never be cached there at once."""
 
     name: str
     num_running: int = 0
@@ -28,6 +30,7 @@ class ReplicaState:
     kv_cache_usage: float = 0.0  # 0..1
     in_flight: int = 0
     block_size: int = 16  # KV block size of the replica, for prefix hashing
+    num_kv_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,7 @@ class EngineReplica:
         return {
             "num_running": stats.num_running, "num_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage, "block_size": self.info.block_size,
+            "num_kv_blocks": stats.num_kv_blocks,
             "blocks": [(h, parent, tokens) for h, (parent, tokens) in blocks],
         }
 
@@ -251,7 +252,7 @@ class TokenlineRequestRouter(RequestRouter):
         return ReplicaState(
             name=name, num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)), in_flight=self.in_flight[name],
-            block_size=int(stats.get("block_size", 16)),
+            block_size=int(stats.get("block_size", 16)), num_kv_blocks=int(stats.get("num_kv_blocks", 0)),
         )
 
     def _feed_blocks(self, name: str, stats: dict[str, Any]) -> None:

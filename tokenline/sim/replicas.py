@@ -225,7 +225,7 @@ def run_fleet_closed_loop(
         else:
             states = [ReplicaState(name=n, num_running=stats[n].num_running, num_waiting=stats[n].num_waiting,
                                    kv_cache_usage=stats[n].kv_cache_usage, in_flight=in_flight[n],
-                                   block_size=block_size) for n in names]
+                                   block_size=block_size, num_kv_blocks=stats[n].num_kv_blocks) for n in names]
             decision = policy.choose(request, states)
         policy.on_routed(request, decision)
         name = flight.replica = decision.replica
