@@ -66,3 +66,17 @@ def test_the_server_run_fits_a_step_scale_and_overheads_on_a_real_server() -> No
     print(fit)
     assert fit.num_steps >= 20  # 4 requests x 11 decode steps at c=1 alone give more
     assert 0.05 < fit.step_scale < 20 and 0 <= fit.step_overhead_s < 1 and 0 <= fit.request_overhead_s < 2
+
+
+def test_server_run_fit_reads_scale_overhead_and_request_overhead() -> None:
+    # ServerRun.fit on known numbers: walls are 1.2 x the model + 3 ms; the c=1 TTFT 0.5 s over a
+    # 0.4 s median prefill step leaves 0.1 s less g per request.
+    from tokenline.sim.server_fit import ServerRun
+    from tokenline.sim.step_model import StepFeatures, StepModel
+
+    model = StepModel(a=0.02, b=0.003, c=0.002, d=1e-5, e=0.01)
+    feats = [StepFeatures(p, n, 100 * n + p) for p in (0, 64, 256) for n in (1, 4, 16)]
+    run = ServerRun(tuple((f, 1.2 * model.predict(f) + 0.003) for f in feats), (0.39, 0.40, 0.45), 0.5)
+    fit = run.fit(model)
+    assert fit.step_scale == pytest.approx(1.2, rel=1e-6) and fit.step_overhead_s == pytest.approx(0.003, abs=1e-7)
+    assert fit.request_overhead_s == pytest.approx(0.5 - 0.40 - 0.003, abs=1e-6) and fit.num_steps == 9

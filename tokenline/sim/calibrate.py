@@ -23,7 +23,7 @@ from tokenline.model.batch import SampledToken, ScheduledBatch
 from tokenline.model.config import ModelConfig
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.profile import Profile
-from tokenline.sim.server_fit import measure_server
+from tokenline.sim.server_fit import run_server_loads
 from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_model
 
 
@@ -131,7 +131,8 @@ def calibrate(
     records = core.take_step_records()
     if len(records) != len(recorder.features):
         raise RuntimeError(f"{len(records)} step records for {len(recorder.features)} batches")
-    step_model = fit_step_model(recorder.features, [r.duration for r in records])
+    features, durations = list(recorder.features), [r.duration for r in records]
+    step_model = fit_step_model(features, durations)
     kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
     machine = machine_info(device)
     machine.update(measure_roofline(runner.dtype))
@@ -139,7 +140,13 @@ def calibrate(
     fit = None
     if server_run:
         del core, runner, recorder  # the server loads its own copy of the model
-        fit = measure_server(model_dir, dtype_name, torch.get_num_threads(), step_model)
+        server = run_server_loads(model_dir, dtype_name, torch.get_num_threads())
+        # One model over both: the offline design pins prefill and small batches, the server's busy
+        # steps the decode batches and contexts a server runs (an offline-only fit put batch-8 steps
+        # 15 % high against a real server's, its context cost taken from contexts of 32-256).
+        step_model = fit_step_model(features + [f for f, _ in server.steps],
+                                    durations + [w for _, w in server.steps])
+        fit = server.fit(step_model)
     return Profile(
         step_model=step_model,
         model=model_dir.name,
@@ -150,7 +157,7 @@ def calibrate(
         kv_bytes_per_token=kv_bytes_per_token,
         request_overhead_s=request_overhead_s if request_overhead_s is not None else
         (fit.request_overhead_s if fit else 0.0),
-        num_steps=len(records),
+        num_steps=len(records) + (fit.num_steps if fit else 0),
         step_overhead_s=fit.step_overhead_s if fit else 0.0,
         step_scale=fit.step_scale if fit else 1.0,
         server_steps=fit.num_steps if fit else 0,

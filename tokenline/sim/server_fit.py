@@ -1,7 +1,10 @@
 """What a server adds to the offline engine's step times: the second half of ``bench calibrate``.
 
-A short closed-loop load (``bench serve``'s client) against a real ``tokenline serve`` started with
-the same dtype and threads, its step records read from ``GET /v1/events``. Fitted on them:
+Short closed-loop loads (``bench serve``'s client) against a real ``tokenline serve`` started with
+the same dtype and threads, its step records read from ``GET /v1/events``: one request at a time,
+six, and sixteen longer ones (decode batches of up to 16 over a few thousand context tokens, the
+shape the offline design reaches only briefly). Their busy steps join the offline ones in the step
+model's fit (``calibrate``), and on them:
 
     server step wall time (its duration and the gap to the next step) = k · model(f) + g
 
@@ -42,6 +45,21 @@ class ServerFit:
     step_overhead_s: float  # g
     request_overhead_s: float
     num_steps: int
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    """What the server loads measured: every busy step (features, wall seconds), and the c=1 run's
+    prefill step durations and TTFT p50 (for the per-request overhead)."""
+
+    steps: tuple[tuple[StepFeatures, float], ...]
+    lone_prefills_s: tuple[float, ...]
+    lone_ttft_p50_s: float
+
+    def fit(self, model: StepModel) -> ServerFit:
+        k, g = fit_scale_and_overhead(model, self.steps)
+        request_overhead = max(0.0, self.lone_ttft_p50_s - median(self.lone_prefills_s) - g)
+        return ServerFit(k, g, request_overhead, len(self.steps))
 
 
 def record_features(record: dict[str, Any]) -> StepFeatures:
@@ -112,10 +130,11 @@ def _run_load(url: str, config: BenchServeConfig) -> tuple[BenchServeReport, lis
     return report, reader.records
 
 
-def measure_server(model_dir: Path, dtype: str, threads: int | None, model: StepModel,
-                   startup_timeout_s: float = 180.0) -> ServerFit:
+def run_server_loads(model_dir: Path, dtype: str, threads: int | None, startup_timeout_s: float = 180.0,
+                     wide: bool = True) -> ServerRun:
     """Start ``tokenline serve`` on a free local port, load it at c=1 and c=6 (prompts of 96 tokens,
-    12 output tokens: workloads of their own, not the ones a simulation is checked on), fit, stop it."""
+    12 output tokens) and, with ``wide``, c=16 (32 prompts of 256 tokens, 24 output tokens): workloads
+    of their own, not the ones a simulation is checked on. Stops it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as log:
@@ -136,8 +155,15 @@ def measure_server(model_dir: Path, dtype: str, threads: int | None, model: Step
             asyncio.run(run_bench_serve(BenchServeConfig(**{**base.__dict__, "num_prompts": 2, "output_len": 2,
                                                             "seed": 7})))  # warm-up
             lone, lone_records = _run_load(url, BenchServeConfig(**{**base.__dict__, "num_prompts": 4, "seed": 8}))
+            records = list(lone_records)
             _, busy_records = _run_load(url, BenchServeConfig(**{**base.__dict__, "concurrency": 6,
                                                                  "num_prompts": 12, "seed": 9}))
+            steps = busy_steps(lone_records) + busy_steps(busy_records)
+            if wide:
+                _, wide_records = _run_load(url, BenchServeConfig(**{
+                    **base.__dict__, "concurrency": 16, "num_prompts": 32, "input_len": 256, "output_len": 24,
+                    "seed": 10}))
+                steps += busy_steps(wide_records)
         finally:
             server.terminate()
             try:
@@ -145,11 +171,14 @@ def measure_server(model_dir: Path, dtype: str, threads: int | None, model: Step
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-    steps = busy_steps(lone_records) + busy_steps(busy_records)
-    k, g = fit_scale_and_overhead(model, steps)
-    prefills = [r["duration"] for r in lone_records if r["num_prefill_tokens"] > 0]
+    prefills = tuple(r["duration"] for r in records if r["num_prefill_tokens"] > 0)
     ttft = lone.ttft_ms["p50"]
     if not prefills or ttft is None:
         raise RuntimeError("the calibration server's c=1 run left no prefill steps or TTFTs to fit on")
-    request_overhead = max(0.0, ttft / 1000 - median(prefills) - g)
-    return ServerFit(k, g, request_overhead, len(steps))
+    return ServerRun(tuple(steps), prefills, ttft / 1000)
+
+
+def measure_server(model_dir: Path, dtype: str, threads: int | None, model: StepModel,
+                   startup_timeout_s: float = 180.0) -> ServerFit:
+    """The server loads (c=1 and c=6 only) and k, g and the request overhead fitted against ``model``."""
+    return run_server_loads(model_dir, dtype, threads, startup_timeout_s, wide=False).fit(model)
