@@ -133,7 +133,8 @@ def wait_healthy(servers: list[Launched], timeout: float = HEALTH_TIMEOUT_S) -> 
 
 
 def serve_args(args: argparse.Namespace, logs: Path, name: str) -> list[str]:
-    return ["serve", "--kv-cache-memory", str(args.kv_cache_memory), "--dtype", args.dtype,
+    cache = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    return ["serve", "--kv-cache-memory", str(args.kv_cache_memory), *cache, "--dtype", args.dtype,
             "--usage-db", str(logs / f"{name}-usage.sqlite3"), "--disable-uvicorn-access-log"]
 
 
@@ -272,6 +273,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--session-affinity", action="store_true", help="fleets keep a conversation (user) on a replica")
     p.add_argument("--threads-per-engine", type=int, default=1)
     p.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB", help="per replica")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per replica, overriding --kv-cache-memory (the same cache as simulate's "
+                        "--num-kv-blocks, whatever the dtype)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     # The workload: small by default, so that five runs fit in a few minutes on two cores.
     # A conversation's own history (user messages and answers) outweighs its system prompt, as in
@@ -292,8 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [x for x in args.policies if x not in POLICIES]
     if unknown or not args.policies:
         p.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICIES)}")
-    if args.threads_per_engine < 1 or args.max_concurrency < 1:
-        p.error("--threads-per-engine and --max-concurrency must be >= 1")
+    if args.threads_per_engine < 1 or args.max_concurrency < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
+        p.error("--threads-per-engine, --max-concurrency and --num-kv-blocks must be >= 1")
     return args
 
 

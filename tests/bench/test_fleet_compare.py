@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import httpx
 import pytest
 
 from tokenline.bench.serve import BenchServeReport
@@ -77,16 +78,24 @@ def test_arguments(fleet_compare: ModuleType, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         fleet_compare.parse_args(["--policies", "random"])
     assert "unknown random" in capsys.readouterr().err
+    args = fleet_compare.parse_args(["--num-kv-blocks", "300"])
+    argv = fleet_compare.serve_args(args, Path("logs"), "single")
+    assert argv[argv.index("--num-kv-blocks") + 1] == "300"
+    assert "--num-kv-blocks" not in fleet_compare.serve_args(fleet_compare.parse_args([]), Path("logs"), "single")
+    with pytest.raises(SystemExit):
+        fleet_compare.parse_args(["--num-kv-blocks", "0"])
+    assert "--num-kv-blocks must be >= 1" in capsys.readouterr().err
 
 
 def test_single_replica_path_for_real(fleet_compare: ModuleType, tmp_path: Path, default_model_dir: Path) -> None:
     args = fleet_compare.parse_args(["--num-groups", "1", "--num-conversations", "2", "--turns", "2",
                                      "--system-prompt-len", "32", "--input-len", "8", "--output-len", "3",
-                                     "--max-concurrency", "2", "--kv-cache-memory", "0.25"])
+                                     "--max-concurrency", "2", "--num-kv-blocks", "64"])
     with fleet_compare.start_single(args, tmp_path) as running:
         assert running.metrics_urls == [] and len(running.servers) == 1
         result = fleet_compare.run_workload(args, running.url, running.metrics_urls)
         assert fleet_compare.routing_decisions(running.url) == {}  # one engine: no router series
+        assert "tokenline_kv_cache_blocks 64.0" in httpx.get(f"{running.url}/metrics").text  # --num-kv-blocks
     (server,) = running.servers
     assert (result.completed, result.failed) == (4, 0)
     assert result.workload == "multiturn" and result.turns == 2
