@@ -12,6 +12,7 @@ delay behind the engine step they describe, and the page's timer lag (p50 / p99 
 
     .venv/bin/python bench/dashboard_cost.py --viewer sse --rounds 3
     .venv/bin/python bench/dashboard_cost.py --viewer chromium --rounds 2
+    .venv/bin/python bench/dashboard_cost.py --viewer sse --rounds 4 --pin   # viewer off the server's core
 """
 
 from __future__ import annotations
@@ -128,16 +129,29 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--pin", action="store_true",
+                        help="server (API + engine, one engine thread) on CPU 0, this client and the viewer on "
+                             "CPU 1: the viewer's own CPU stays off the server's core, as a viewer elsewhere would")
     args = parser.parse_args()
+    server_cpus: set[int] | None = None
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            parser.error("--pin needs two CPUs")
+        first, second, *_ = sorted(os.sched_getaffinity(0))
+        server_cpus = {first}
+        os.sched_setaffinity(0, {second})
 
     work = Path(tempfile.mkdtemp(prefix="tokenline-dashboard-cost-"))
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     log = open(work / "server.log", "wb")  # noqa: SIM115 - closed at the end
-    server = subprocess.Popen([sys.executable, "-m", "tokenline.cli", "serve", "--host", "127.0.0.1", "--port",
-                               str(port), "--max-num-seqs", str(args.concurrency), "--usage-db",
-                               str(work / "usage.sqlite3"), "--disable-log-requests"],
-                              stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    argv = [sys.executable, "-m", "tokenline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--max-num-seqs", str(args.concurrency), "--usage-db", str(work / "usage.sqlite3"), "--disable-log-requests"]
+    if server_cpus is not None:
+        argv += ["--threads-per-engine", "1"]
+    # The engine process inherits the API process's CPU affinity.
+    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                              preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
     rows: list[dict[str, Any]] = []
     chromium = None
     try:
@@ -149,7 +163,8 @@ def main() -> int:
         if args.viewer == "chromium":
             chromium = ChromiumViewer(base_url, work / "profile")
         for round_no in range(args.rounds):
-            for watched in (False, True):
+            # ABBA: a drift across the run (a neighbour starting, the machine warming) hits both alike.
+            for watched in ((False, True) if round_no % 2 == 0 else (True, False)):
                 config.seed = round_no * 2 + int(watched)  # fresh prompts: no prefix hits between rounds
                 if not watched:
                     report = asyncio.run(run_bench_serve(config))
@@ -160,7 +175,7 @@ def main() -> int:
                     report = asyncio.run(run_bench_serve(config))
                 rows.append({"round": round_no, "watched": True, "output_throughput": report.output_throughput,
                              **viewer.summary()})
-                print(json.dumps(rows[-2:]), flush=True)
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         if chromium is not None:
             chromium.close()
@@ -172,7 +187,7 @@ def main() -> int:
         log.close()
     off = statistics.median(r["output_throughput"] for r in rows if not r["watched"])
     on = statistics.median(r["output_throughput"] for r in rows if r["watched"])
-    result = {"viewer": args.viewer, "concurrency": args.concurrency, "rounds": rows,
+    result = {"viewer": args.viewer, "concurrency": args.concurrency, "pinned": args.pin, "rounds": rows,
               "median_tok_s_unwatched": off, "median_tok_s_watched": on, "ratio": on / off}
     print(f"\n| viewer | c | output tok/s unwatched (median) | watched | ratio |\n|---|---:|---:|---:|---:|\n"
           f"| {args.viewer} | {args.concurrency} | {off:.1f} | {on:.1f} | {on / off:.3f} |")
