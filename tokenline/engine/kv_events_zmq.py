@@ -4,12 +4,16 @@ PUB socket, one multipart message per batch: ``[topic, seq, payload]`` where ``s
 big-endian sequence number starting at 0 and ``payload`` is ``kv_events.encode_event_batch``.
 
 ROUTER socket for replay: a DEALER sends ``[b"", start_seq]`` (8 bytes big-endian) and gets back
-``[b"", seq, payload]`` for every buffered batch with ``seq >= start_seq``, then ``[b"", -1, b""]``
-(``-1`` as a signed 8-byte integer) to mark the end. A subscriber that sees a gap in the sequence
-numbers asks for the missing batches this way, so it never silently loses an eviction.
+``[b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then
+``[b"", b"", -1, b""]`` (``-1`` as a signed 8-byte integer) to mark the end: vLLM 0.32's frames.
+Older vLLM replied without the topic frame (``[b"", seq, payload]``); the subscriber reads both.
+A subscriber that sees a gap in the sequence numbers asks for the missing batches this way, so it
+never silently loses an eviction.
 
 Unlike vLLM, which binds or connects depending on the address, the publisher always binds: the
-engine is the stable end and routers come and go.
+engine is the stable end and routers come and go. The subscriber connects, or binds
+(``bind=True``) for a vLLM whose PUB endpoint is a host address: vLLM connects to those, so the
+reader must be the one listening.
 """
 
 from __future__ import annotations
@@ -98,8 +102,8 @@ class ZmqEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                socket.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        socket.send_multipart((client, b"", END_SEQ, b""))
+                socket.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        socket.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
 class KVEventSubscriber:
@@ -109,11 +113,15 @@ class KVEventSubscriber:
     replayed first. Batches already seen are skipped, so every sequence number comes out once.
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 bind: bool = False) -> None:
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
+        if bind:
+            self._sub.bind(endpoint)
+        else:
+            self._sub.connect(endpoint)
         self._replay: zmq.Socket | None = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.DEALER)
@@ -143,7 +151,8 @@ class KVEventSubscriber:
         self._replay.send_multipart((b"", start_seq.to_bytes(8, "big")))
         batches = []
         while self._replay.poll(timeout_ms):
-            _, seq_bytes, payload = self._replay.recv_multipart()
+            # [b"", topic, seq, payload] from vLLM 0.32 and us; [b"", seq, payload] from older vLLM.
+            *_, seq_bytes, payload = self._replay.recv_multipart()
             if seq_bytes == END_SEQ:
                 return batches
             batches.append((int.from_bytes(seq_bytes, "big"), decode_event_batch(payload)))

@@ -50,13 +50,16 @@ logger = logging.getLogger("tokenline.router")
 @dataclass(frozen=True)
 class UpstreamSpec:
     """One ``--upstream`` value: ``URL[,kv-events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]`` or
-    ``URL,kind=openai[,model=NAME]``."""
+    ``URL,kind=openai[,model=NAME]``. ``kv-events-bind=tcp://HOST:PORT`` instead of ``kv-events=``:
+    the router listens there and the upstream's PUB socket connects (vLLM connects when its
+    ``endpoint`` is a host address, and binds only a wildcard such as ``tcp://*:5557``)."""
 
     url: str
     kv_events: str | None = None
     replay: str | None = None
     kind: str = "tokenline"  # "openai": takes text only (router/passthrough.py); else token ids
     model: str | None = None  # kind=openai: the upstream's model name (default: its /v1/models' first)
+    kv_events_bind: bool = False  # the router binds kv_events; the upstream connects to it
 
     @property
     def name(self) -> str:
@@ -76,10 +79,17 @@ def parse_upstream(text: str) -> UpstreamSpec:
         if key == "kind" and value in ("tokenline", "vllm", "openai") or key == "model" and value:
             values[key] = value
             continue
-        if key not in ("kv-events", "replay") or not sep or not value.startswith("tcp://"):
-            raise ValueError(f"--upstream option {option!r}: expected kv-events=tcp://HOST:PORT, replay=tcp://HOST:PORT, "
-                             "kind=tokenline|vllm|openai or model=NAME")
+        if key not in ("kv-events", "kv-events-bind", "replay") or not sep or not value.startswith("tcp://"):
+            raise ValueError(f"--upstream option {option!r}: expected kv-events=tcp://HOST:PORT, "
+                             "kv-events-bind=tcp://HOST:PORT, replay=tcp://HOST:PORT, kind=tokenline|vllm|openai "
+                             "or model=NAME")
         values[key] = value
+    bind = "kv-events-bind" in values
+    if bind and "kv-events" in values:
+        raise ValueError(f"--upstream {url}: give kv-events= (the router connects) or kv-events-bind= (it listens), "
+                         "not both")
+    if bind:
+        values["kv-events"] = values.pop("kv-events-bind")
     if "replay" in values and "kv-events" not in values:
         raise ValueError(f"--upstream {url}: replay= needs kv-events=")
     kind = "openai" if values.get("kind") == "openai" else "tokenline"  # vllm and tokenline speak the same
@@ -88,7 +98,7 @@ def parse_upstream(text: str) -> UpstreamSpec:
     if "model" in values and kind != "openai":
         raise ValueError(f"--upstream {url}: model= is for kind=openai (token-id upstreams name their own)")
     return UpstreamSpec(url.rstrip("/").removesuffix("/v1"), values.get("kv-events"), values.get("replay"),
-                        kind, values.get("model"))
+                        kind, values.get("model"), bind)
 
 
 class RemoteEngineClient(EngineClient):
@@ -313,7 +323,7 @@ class RemoteEngineClient(EngineClient):
         from tokenline.engine.kv_events_zmq import KVEventSubscriber
 
         assert self.spec.kv_events is not None
-        subscriber = KVEventSubscriber(self.spec.kv_events, self.spec.replay)
+        subscriber = KVEventSubscriber(self.spec.kv_events, self.spec.replay, bind=self.spec.kv_events_bind)
         try:
             while not self._stopping:
                 if self._reset_events:
