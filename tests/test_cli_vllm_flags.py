@@ -107,6 +107,9 @@ def test_every_table_flag_has_a_status_and_an_explanation() -> None:
     (["--speculative-config", '{"method": "ngram", "model": "draft"}'], "['model'] not supported"),
     (["--speculative-config", '{"method": "ngram"}', "--speculative", "ngram"], "not both"),
     (["--speculative-config", '{"method": "mtp"}'], "needs a hybrid Qwen3.5-class model with an MTP head"),
+    (["--speculative-config", "[2]"], "--speculative-config must be a JSON object"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "port": 5557}'], "--kv-events-config: ['port'] not"),
+    (["--kv-events-config", "{enable}"], "--kv-events-config is not valid JSON"),
 ])
 def test_values_tokenline_cannot_honour_are_refused(default_model_dir: Path, flags: list[str], message: str) -> None:
     with pytest.raises(ValueError) as caught:

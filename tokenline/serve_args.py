@@ -10,13 +10,13 @@ live with the other serve and engine flags in ``cli.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenline.engine.config import json_object_flag
 from tokenline.model.model_store import DEFAULT_MODEL_NAME
 
 WIRED, NO_EFFECT, LIMITED = "wired", "no effect", "limited"
@@ -69,16 +69,8 @@ SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "pr
 def speculative_config_fields(text: str) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON (``{"method": "mtp", "num_speculative_tokens": 2}``) as
     EngineConfig fields; ServeArgsError for a method or key tokenline does not run."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ServeArgsError(f"--speculative-config is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ServeArgsError("--speculative-config must be a JSON object")
-    unknown = sorted(set(raw) - SPECULATIVE_KEYS)
-    if unknown:
-        raise ServeArgsError(f"--speculative-config: {unknown} not supported (known: {sorted(SPECULATIVE_KEYS)}); "
-                             "tokenline has no separate draft models")
+    raw = json_object_flag("--speculative-config", text, SPECULATIVE_KEYS, ServeArgsError,
+                           "; tokenline has no separate draft models")
     method = raw.get("method")
     if method not in SPECULATIVE_METHODS:
         raise ServeArgsError(f"--speculative-config: method {method!r} is not supported; "

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from tokenline.engine.ngram_proposer import check_ngram_settings
@@ -94,19 +94,28 @@ class EngineConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
-def parse_kv_events_config(text: str) -> dict[str, Any]:
-    """vLLM's ``--kv-events-config`` JSON (``{"enable_kv_cache_events": true, "publisher": "zmq",
-    "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": …, "topic": …}``) as EngineConfig fields."""
+def json_object_flag(flag: str, text: str, known: Collection[str], error: type[ValueError] = ValueError,
+                     hint: str = "") -> dict[str, Any]:
+    """A flag whose value is a JSON object with keys among ``known`` (vLLM's --kv-events-config,
+    --speculative-config), parsed; otherwise ``error`` says what is wrong, naming the flag, with
+    ``hint`` after the unknown keys."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from exc
+        raise error(f"{flag} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ValueError("--kv-events-config must be a JSON object")
-    known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic"}
-    unknown = sorted(set(raw) - known)
+        raise error(f"{flag} must be a JSON object")
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ValueError(f"--kv-events-config: unknown keys {unknown} (known: {sorted(known)})")
+        raise error(f"{flag}: {unknown} not supported (known: {sorted(known)}){hint}")
+    return raw
+
+
+def parse_kv_events_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config`` JSON (``{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": …, "topic": …}``) as EngineConfig fields."""
+    known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic"}
+    raw = json_object_flag("--kv-events-config", text, known)
     publisher = raw.get("publisher", "zmq")
     if publisher not in ("zmq", "null"):
         raise ValueError(f"--kv-events-config: publisher must be 'zmq' or 'null', got {publisher!r}")
