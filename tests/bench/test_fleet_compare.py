@@ -3,28 +3,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import httpx
 import pytest
 
+from tests.bench.scripts import load_bench_script
 from tokenline.bench.serve import BenchServeReport
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "fleet_compare.py"
 
 
 @pytest.fixture(scope="module")
 def fleet_compare() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fleet_compare", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fleet_compare"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("fleet_compare.py", "fleet_compare")
 
 
 def report(hit_rate: float | None, ttft_p50: float, replicas: list[tuple[float, float]] = (), failed: int = 0,
