@@ -99,6 +99,12 @@ def _ms(data: dict[str, Any], key: str) -> float | None:
     return None if value is None else float(value)
 
 
+def _p50(data: dict[str, Any], metric: str) -> float | None:
+    """vLLM's p50 of ``metric`` (e.g. ``ttft``), or its median where an older file has no p50."""
+    key = f"p50_{metric}_ms"
+    return _ms(data, key if key in data else f"median_{metric}_ms")
+
+
 def parse_vllm_result(data: dict[str, Any]) -> RunMetrics:
     """A ``vllm bench serve --save-result`` JSON (``--metric-percentiles 50,99``; its medians stand
     in for p50 where an older file has no p50)."""
@@ -113,12 +119,12 @@ def parse_vllm_result(data: dict[str, Any]) -> RunMetrics:
         total_output_tokens=int(data["total_output_tokens"]),
         output_throughput=float(data["output_throughput"]),
         request_throughput=float(data["request_throughput"]),
-        ttft_p50_ms=_ms(data, "p50_ttft_ms") if "p50_ttft_ms" in data else _ms(data, "median_ttft_ms"),
+        ttft_p50_ms=_p50(data, "ttft"),
         ttft_p99_ms=_ms(data, "p99_ttft_ms"),
-        tpot_p50_ms=_ms(data, "p50_tpot_ms") if "p50_tpot_ms" in data else _ms(data, "median_tpot_ms"),
+        tpot_p50_ms=_p50(data, "tpot"),
         tpot_p99_ms=_ms(data, "p99_tpot_ms"),
-        itl_p50_ms=_ms(data, "p50_itl_ms") if "p50_itl_ms" in data else _ms(data, "median_itl_ms"),
-        e2el_p50_ms=_ms(data, "p50_e2el_ms") if "p50_e2el_ms" in data else _ms(data, "median_e2el_ms"),
+        itl_p50_ms=_p50(data, "itl"),
+        e2el_p50_ms=_p50(data, "e2el"),
         first_error=str(errors[0])[:300] if errors else "",
     )
 

@@ -24,16 +24,11 @@ class Row:
     spec: str
 
 
+# Each concurrency scenario's figures: (label, RunMetrics key, format).
+LOAD_FIGURES = [("output tok/s", "output_throughput", ".1f"), ("TPOT p50 ms", "tpot_p50_ms", ".1f"),
+                ("TTFT p50 ms", "ttft_p50_ms", ".0f")]
 ROWS = [
-    Row("c=1 output tok/s", "c1", "output_throughput", ".1f"),
-    Row("c=1 TPOT p50 ms", "c1", "tpot_p50_ms", ".1f"),
-    Row("c=1 TTFT p50 ms", "c1", "ttft_p50_ms", ".0f"),
-    Row("c=8 output tok/s", "c8", "output_throughput", ".1f"),
-    Row("c=8 TPOT p50 ms", "c8", "tpot_p50_ms", ".1f"),
-    Row("c=8 TTFT p50 ms", "c8", "ttft_p50_ms", ".0f"),
-    Row("c=32 output tok/s", "c32", "output_throughput", ".1f"),
-    Row("c=32 TPOT p50 ms", "c32", "tpot_p50_ms", ".1f"),
-    Row("c=32 TTFT p50 ms", "c32", "ttft_p50_ms", ".0f"),
+    *(Row(f"c={c} {label}", f"c{c}", key, spec) for c in (1, 8, 32) for label, key, spec in LOAD_FIGURES),
     Row("batch-1 decode, 32 in / 256 out: tok/s", "decode", "output_throughput", ".1f"),
     Row("batch-1 decode TPOT p50 ms", "decode", "tpot_p50_ms", ".1f"),
     Row("c=8, 192 of 256 tokens shared: output tok/s", "prefix-c8", "output_throughput", ".1f"),

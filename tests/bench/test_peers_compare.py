@@ -243,6 +243,12 @@ def test_parse_a_real_vllm_bench_serve_result(compare: ModuleType) -> None:
     assert m.ttft_p99_ms >= m.ttft_p50_ms > 0 and m.tpot_p99_ms >= m.tpot_p50_ms > 0
     assert m.e2el_p50_ms >= m.ttft_p50_ms  # the first token is part of the whole request
     assert m.first_error == ""
+    # An older file without p50 keys: its medians stand in.
+    older = {k.replace("p50_", "median_"): v for k, v in data.items()}
+    assert "p50_itl_ms" not in older
+    m_older = peer_clients.parse_result("vllm", older)
+    assert (m_older.ttft_p50_ms, m_older.tpot_p50_ms, m_older.itl_p50_ms, m_older.e2el_p50_ms) == (
+        m.ttft_p50_ms, m.tpot_p50_ms, m.itl_p50_ms, m.e2el_p50_ms)
 
 
 def test_parse_a_tokenline_bench_serve_report(compare: ModuleType) -> None:
