@@ -137,6 +137,7 @@ def test_routes_each_request_to_the_policys_choice_and_counts_it() -> None:
         members["a"]._deliver(StepOutputs([], members["a"].stats))  # a step of a's own: the sums move
         assert fleet.stats.num_running == 4 and fleet.stats.prefix_cache_hits == 3
         assert fleet.stats.kv_cache_usage == pytest.approx(0.25)  # 5 of 20 blocks in use
+        assert fleet.member_state("a").num_kv_blocks == 10  # what bounds the prefix policy's tree
         await fleet.shutdown()
 
     asyncio.run(run())

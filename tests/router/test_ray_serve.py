@@ -244,8 +244,9 @@ def test_the_router_asks_the_policy_with_replica_stats_and_routes_aborts_and_ret
         name_a, name_b = a.to_full_id_str(), b.to_full_id_str()
         tokens = list(range(40))
         held = [(b"h0", None, tokens[:16]), (b"h1", b"h0", tokens[16:32])]
-        stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "block_size": 16}
+        stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "block_size": 16, "num_kv_blocks": 64}
         replicas = [_Replica(a, {**stats, "blocks": []}), _Replica(b, {**stats, "blocks": held})]
+        assert router.replica_state(replicas[0]).num_kv_blocks == 64
         requests = [EngineRequest("cmpl-1-0", tokens, SamplingParams())]
 
         def call(method: str, *args: object, internal: str = "i1") -> PendingRequest:
