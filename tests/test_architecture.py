@@ -35,7 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"bench.multiturn", "bench.roofline", "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
-    "serve_args": {"model.model_store"},  # cli's table of vLLM serve flags
+    # cli's table of vLLM serve flags; JSON-object flags are read as the engine's config reads them
+    "serve_args": {"engine.config", "model.model_store"},
     "__init__": {"llm", "sampling_params"},
 }
 
