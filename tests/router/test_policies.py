@@ -332,6 +332,23 @@ def test_precise_kv_spreads_new_prefixes_over_idle_replicas() -> None:
     assert homes == ["r0", "r1", "r2"]
 
 
+def test_precise_kv_compares_replicas_with_different_block_sizes_in_tokens() -> None:
+    """A vLLM-CPU replica (128-token blocks) beside a tokenline one (16): a 300-token prompt is 2
+    blocks there and 18 here, which as a block count made vLLM look 9x cheaper, so it took every
+    new prompt even while busy (seen with a real vLLM behind the router)."""
+    policy = PreciseKV()
+    vllm, tokenline = ReplicaState("vllm", block_size=128), ReplicaState("tokenline", block_size=16)
+    tokens = prompt(1, 19)[:300]
+    busy_vllm = ReplicaState("vllm", block_size=128, in_flight=1)
+    assert policy.choose(RouteRequest("q0", token_ids=tokens), [busy_vllm, tokenline]).replica == "tokenline"
+    # Idle and empty: a tie in tokens, broken by name; vLLM holding the prompt's two blocks wins it.
+    assert policy.choose(RouteRequest("q1", token_ids=tokens), [vllm, tokenline]) == RouteDecision(
+        "tokenline", "no_prefix")
+    policy.on_kv_events("vllm", [BlockStored([1, 2], None, tokens[:256], 128)])
+    assert policy.choose(RouteRequest("q2", token_ids=tokens), [vllm, tokenline]) == RouteDecision(
+        "vllm", "prefix", 256)
+
+
 def test_precise_kv_groups_and_typical_blocks() -> None:
     # Each group's prefix stored on one replica: every group member follows it.
     policy = PreciseKV()

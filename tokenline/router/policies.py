@@ -309,11 +309,12 @@ class PreciseKV(RoutingPolicy):
     is skipped, as are blocks with a LoRA adapter or outside the GPU cache (``medium`` other than
     None/"GPU"): a plain prompt can never hit them there.
 
-    ``cost = overlap_weight × (prompt blocks not cached there) + load × typical_blocks``, lowest
-    wins; ties go to the longer hit (less work either way), then the lower load, then the fewest
-    cached blocks (so new prefixes spread over idle replicas instead of piling on the first name).
-    ``typical_blocks`` (default: this prompt's blocks) is what one queued request costs in blocks,
-    so with weight 1 a full prefix hit is worth exactly one request of queue. Reasons: "prefix" (a hit where it went), "least_load" (a hit elsewhere
+    ``cost = overlap_weight × (prompt tokens not cached there) + load × typical``, lowest wins, in
+    tokens so that replicas with different block sizes compare; ties go to the longer hit (less
+    work either way), then the lower load, then the fewest cached tokens (so new prefixes spread
+    over idle replicas instead of piling on the first name). ``typical`` is what one queued request
+    costs: ``typical_blocks`` of the replica's block size, default this prompt's tokens, so with
+    weight 1 a full prefix hit is worth about one request of queue. Reasons: "prefix" (a hit where it went), "least_load" (a hit elsewhere
     lost to load), "no_prefix" (no replica holds any of the prompt).
     """
 
@@ -341,11 +342,17 @@ class PreciseKV(RoutingPolicy):
             prompt_blocks.update(dict.fromkeys(names, len(chain)))
         self._memo.done(request.request_id)
 
-        def cost(r: ReplicaState) -> float:
-            typical = self.typical_blocks if self.typical_blocks is not None else max(1, prompt_blocks[r.name])
-            return self.overlap_weight * (prompt_blocks[r.name] - matched[r.name]) + load(r) * typical
+        # In tokens, not blocks: replicas may cache in blocks of different sizes (vLLM-CPU 128,
+        # tokenline 16), and a prompt's block count at 128 is 8x smaller for the same work.
+        prompt_tokens = len(request.token_ids) if request.token_ids is not None else 0
 
-        best = min(replicas, key=lambda r: (cost(r), -matched[r.name], load(r), self.cached_blocks(r.name), r.name))
+        def cost(r: ReplicaState) -> float:
+            size = sizes[r.name]
+            typical = self.typical_blocks * size if self.typical_blocks is not None else max(1, prompt_tokens)
+            return self.overlap_weight * (prompt_tokens - matched[r.name] * size) + load(r) * typical
+
+        best = min(replicas, key=lambda r: (cost(r), -matched[r.name] * sizes[r.name], load(r),
+                                            self.cached_blocks(r.name) * sizes[r.name], r.name))
         hit = matched[best.name]
         if hit:
             reason = "prefix"
