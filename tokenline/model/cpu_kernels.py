@@ -12,10 +12,12 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,6 +96,9 @@ class CpuKernels:
         lib.tl_rms_norm_bf16.restype = None
         lib.tl_rotary_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I]
         lib.tl_rotary_bf16.restype = None
+        lib.tl_decode_layer_f32.argtypes = [_P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
+                                            _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
+        lib.tl_decode_layer_f32.restype = None
         self._lib = lib
         self.path = path
         self.has_avx512bf16 = bool(lib.tl_has_avx512bf16())
@@ -177,6 +182,78 @@ class CpuKernels:
             block_size, max(1, max_context_len), scale,
         )
         return out
+
+    def decode_layer_f32_(self, x: torch.Tensor, w: DecodeLayerWeights, rows: DecodeRows, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
+        """One Llama decoder layer on float32 decode rows x [M, H], in place: norm, q|k|v, RoPE, the
+        K/V write into the paged cache, attention, o_proj + residual, norm, gate|up, SiLU * up,
+        down + residual. ``scratch`` holds at least :func:`decode_layer_scratch` floats."""
+        m, hidden = x.shape
+        inter = w.gate_up.shape[0] // 2
+        if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= m <= DECODE_LAYER_MAX_ROWS:
+            raise ValueError(f"decode_layer_f32_ takes 1..{DECODE_LAYER_MAX_ROWS} contiguous float32 rows")
+        if hidden != w.input_norm.shape[0] or scratch.numel() < decode_layer_scratch(m, w) or w.head_dim % 2:
+            raise ValueError("decode_layer_f32_: rows, weights or scratch do not fit")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
+            raise ValueError("decode_layer_f32_ needs contiguous float32 caches")
+        if rows.cos.shape != (m, w.head_dim) or rows.slots.shape != (m,) or rows.block_tables.shape[0] != m:
+            raise ValueError("decode_layer_f32_: the step's rows do not fit x")
+        self._lib.tl_decode_layer_f32(
+            x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
+            w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
+            rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.slots.data_ptr(),
+            rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
+            k_cache.shape[1], max(1, rows.max_context_len), 1.0 / math.sqrt(w.head_dim), scratch.data_ptr(),
+        )
+
+
+def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
+    """Floats of scratch ``decode_layer_f32_`` needs for ``rows`` rows."""
+    hidden, q_width = w.input_norm.shape[0], w.heads * w.head_dim
+    return rows * (hidden + w.qkv.shape[0] + q_width + w.gate_up.shape[0])
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One Llama layer's float32 weights as ``decode_layer_f32`` reads them (plain row-major
+    matrices; the tensors are held so their pointers stay valid)."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]: q | k | v rows
+    o: torch.Tensor  # [H, heads * head_dim]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate | up rows
+    down: torch.Tensor  # [H, I]
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def check(self) -> None:
+        tensors = (self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down)
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            raise ValueError("decode_layer_f32 takes contiguous float32 CPU weights")
+        hidden = self.input_norm.shape[0]
+        q_width = self.heads * self.head_dim
+        if (self.qkv.shape != (q_width + 2 * self.kv_heads * self.head_dim, hidden) or self.o.shape != (hidden, q_width)
+                or self.gate_up.shape[1] != hidden or self.down.shape != (hidden, self.gate_up.shape[0] // 2)):
+            raise ValueError("decode_layer_f32: weight shapes do not fit one another")
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A decode step's per-row inputs, shared by every layer: RoPE rows and where each row's K/V
+    goes and attends (see attention.AttentionMetadata)."""
+
+    cos: torch.Tensor  # [M, head_dim] float32
+    sin: torch.Tensor
+    slots: torch.Tensor  # [M] int64
+    block_tables: torch.Tensor  # [M, width] int64
+    context_lens: torch.Tensor  # [M] int64
+    max_context_len: int
+
+
+DECODE_LAYER_MAX_ROWS = 4  # TL_LAYER_MAX_ROWS in the C file
 
 
 @functools.cache

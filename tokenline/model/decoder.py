@@ -5,20 +5,38 @@ A model subclasses :class:`DecoderLM` and says how to build layer ``i``; where t
 it also sets the norm class and the rotary width. Every layer is called the same way,
 ``layer(x, positions, cos_sin, cache, meta) -> x``, whatever mixes its tokens (attention over the
 paged KV cache, a recurrent layer over its state slot).
+
+A float32 decode step of a few rows skips that: when every layer offers ``decode_weights()``
+(plain Llama layers), each runs as one C call (cpu_kernels.decode_layer_f32_), since at batch 1
+dispatching ~25 torch operators a layer costs as much as reading its weights.
 """
 
 from __future__ import annotations
 
+import os
 from abc import abstractmethod
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import Cache, CausalLM
-from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding
+from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding, RotaryRows
+
+
+def _fused_decode_rows_default() -> int:
+    """Decode batches up to this many rows take the one-call layer kernel; 0 turns it off."""
+    rows = int(os.environ.get("TOKENLINE_FUSED_DECODE_ROWS", str(FUSED_DECODE_ROWS)))
+    return max(0, min(rows, cpu_kernels.DECODE_LAYER_MAX_ROWS))
+
+
+# Measured on the default model (README, "Dispatch at small batches"): the fused layer wins up to here.
+FUSED_DECODE_ROWS = 4
+# The kernels, every layer's weights as the fused kernel reads them, and one scratch buffer.
+FusedLayers = tuple[cpu_kernels.CpuKernels, list[cpu_kernels.DecodeLayerWeights], torch.Tensor]
 
 
 class DecoderLM(CausalLM):
@@ -34,6 +52,10 @@ class DecoderLM(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(self.rotary_dim(config), config.rope_theta, config.rope_scaling)
+        self.fused_decode_rows = _fused_decode_rows_default()
+        # Built at the first eligible step (the weights are loaded by then): the kernels, each
+        # layer's weights and a scratch buffer; False once found unavailable.
+        self._fused_layers: FusedLayers | None | bool = None
 
     @abstractmethod
     def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
@@ -49,6 +71,39 @@ class DecoderLM(CausalLM):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
+        if self._fused_decode(x, cos_sin, caches, meta):
+            return self.norm(x)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, positions, cos_sin, cache, meta)
         return self.norm(x)
+
+    def _fused_decode(self, x: torch.Tensor, cos_sin: RotaryRows, caches: list[Cache], meta: AttentionMetadata) -> bool:
+        """Run every layer on x in place through the one-call decode kernel, if this step and model allow it."""
+        rows = x.shape[0]
+        if (not 1 <= rows <= self.fused_decode_rows or meta.num_decode_tokens != rows or meta.prefills
+                or x.dtype != torch.float32 or x.device.type != "cpu" or meta.decode_context_lens is None
+                or meta.decode_block_tables is None or not x.is_contiguous()):
+            return False
+        fused = self._fused_layers_or_none()
+        if fused is None:
+            return False
+        kernels, weights, scratch = fused
+        cos, sin = (t.reshape(rows, -1) for t in cos_sin)
+        if cos.shape[-1] != weights[0].head_dim:  # partial rotary
+            return False
+        step = cpu_kernels.DecodeRows(cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.decode_block_tables,
+                                      meta.decode_context_lens, meta.max_decode_context_len)
+        for w, cache in zip(weights, caches, strict=True):
+            kernels.decode_layer_f32_(x, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
+        return True
+
+    def _fused_layers_or_none(self) -> FusedLayers | None:
+        if self._fused_layers is None:
+            kernels = cpu_kernels.load()
+            weights = [getattr(layer, "decode_weights", lambda: None)() for layer in self.layers]
+            if kernels is None or not weights or any(w is None for w in weights):
+                self._fused_layers = False
+            else:
+                scratch = max(cpu_kernels.decode_layer_scratch(cpu_kernels.DECODE_LAYER_MAX_ROWS, w) for w in weights)
+                self._fused_layers = (kernels, weights, torch.empty(scratch, dtype=torch.float32))
+        return self._fused_layers or None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
+from tokenline.model.cpu_kernels import DecodeLayerWeights
 from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import DecoderLM
 from tokenline.model.interface import Cache
@@ -36,6 +37,22 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode_weights(self) -> DecodeLayerWeights | None:
+        """This layer's weights for the one-call float32 decode kernel (cpu_kernels.decode_layer_f32_),
+        or None where it is not the plain Llama layer (a q/k norm, an output gate, biases) or its
+        weights are not plain float32 CPU tensors."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.q_norm is not None or attn.output_gate or any(lin.bias is not None for lin in linears):
+            return None
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        tensors = (*norms, *(lin.weight for lin in linears))
+        if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            return None
+        ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in tensors)
+        return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
+                                  attn.num_kv_heads, attn.head_dim)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -798,3 +798,123 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
         for (int64_t m = 0; m < M; m++) blocked_tile_generic(x, w, y, m, jb, N, K, NB, P, kblocks);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * One Llama decoder layer for a few float32 decode rows, in one call: at batch 1 the torch path
+ * spends as long dispatching its ~25 operators a layer as reading the layer's weights.
+ *
+ *   x += o_proj(attention(rope(qkv_proj(rms_norm(x) * ln1)), paged KV))
+ *   x += down_proj(silu(gate) * up),  gate|up = gate_up_proj(rms_norm(x) * ln2)
+ *
+ * x [M, H] is updated in place. Weights are the plain row-major float32 matrices ([N, K]: q|k|v
+ * rows, gate|up rows, as the model holds them); cos/sin [M, Dh] (full rotary, rotate-half);
+ * slots [M] the cache slot of each row's new K/V; tables/lens as tl_decode_attention takes them.
+ * scratch holds M * (H + (H + 2 KVH) Dh + H Dh + 2 I) floats. Each matrix product streams each
+ * weight row once for all M rows, threads splitting the output columns (portable vector code:
+ * GCC vector extensions compile to AVX2 or AVX-512 as the build allows).
+ */
+#define TL_LAYER_MAX_ROWS 4
+
+typedef float tl_v8 __attribute__((vector_size(32)));
+typedef float tl_v8u __attribute__((vector_size(32), aligned(4))); /* an unaligned load */
+
+static inline float hsum8(tl_v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* y[m, n0 .. n0+NT) (+)= x[m] . w[n] for the M rows: NT weight rows stream once, M * NT
+ * accumulator vectors stay in registers. `accumulate`: add into y (a residual) instead of storing. */
+static inline __attribute__((always_inline)) void gemv_tile_f32(const float *x, const float *w, float *y,
+                                                                const int M, const int NT, int64_t n0,
+                                                                int64_t N, int64_t K, int accumulate) {
+    tl_v8 acc[TL_LAYER_MAX_ROWS][4];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NT; j++) acc[m][j] = (tl_v8){0};
+    const int64_t K8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K8; k += 8) {
+        tl_v8 xv[TL_LAYER_MAX_ROWS];
+        for (int m = 0; m < M; m++) xv[m] = *(const tl_v8u *)(x + m * K + k);
+        for (int j = 0; j < NT; j++) {
+            const tl_v8 wv = *(const tl_v8u *)(w + (n0 + j) * K + k);
+            for (int m = 0; m < M; m++) acc[m][j] += xv[m] * wv;
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NT; j++) {
+            float s = hsum8(acc[m][j]);
+            for (int64_t k = K8; k < K; k++) s += x[m * K + k] * w[(n0 + j) * K + k];
+            if (accumulate) y[m * N + n0 + j] += s;
+            else y[m * N + n0 + j] = s;
+        }
+}
+
+/* y[M, N] (+)= x[M, K] @ w[N, K]^T, M <= TL_LAYER_MAX_ROWS. */
+static void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int accumulate) {
+    const int NT = M <= 2 ? 4 : 2; /* 4 x 4 accumulators would spill on AVX2's 16 registers */
+    const int64_t tiles = N / NT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        switch (M * 8 + NT) {
+        case 1 * 8 + 4: gemv_tile_f32(x, w, y, 1, 4, t * NT, N, K, accumulate); break;
+        case 2 * 8 + 4: gemv_tile_f32(x, w, y, 2, 4, t * NT, N, K, accumulate); break;
+        case 3 * 8 + 2: gemv_tile_f32(x, w, y, 3, 2, t * NT, N, K, accumulate); break;
+        default: gemv_tile_f32(x, w, y, 4, 2, t * NT, N, K, accumulate); break;
+        }
+    }
+    for (int64_t n = tiles * NT; n < N; n++) /* the last few columns */
+        for (int64_t m = 0; m < M; m++) gemv_tile_f32(x + m * K, w, y + m * N, 1, 1, n, N, K, accumulate);
+}
+
+/* out = w * (x / rms(x)), as the float32 reference computes it. */
+static void rms_norm_f32(const float *x, const float *weight, float *out, int64_t M, int64_t H, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * H;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < H; i++) sum += row[i] * row[i];
+        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) out[m * H + i] = weight[i] * (row[i] * scale);
+    }
+}
+
+void tl_decode_layer_f32(float *x, int64_t M, int64_t H, float eps, const float *ln1, const float *w_qkv,
+                         const float *w_o, const float *ln2, const float *w_gate_up, const float *w_down,
+                         int64_t I, int64_t heads, int64_t kv_heads, int64_t Dh, const float *cos, const float *sin,
+                         float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables, int64_t width,
+                         const int64_t *lens, int64_t block_size, int64_t max_len, float scale, float *scratch) {
+    const int64_t q_width = heads * Dh, kv_width = kv_heads * Dh, qkv_width = q_width + 2 * kv_width;
+    float *h = scratch;                  /* [M, H] normed rows */
+    float *qkv = h + M * H;              /* [M, qkv_width] */
+    float *attn = qkv + M * qkv_width;   /* [M, q_width] */
+    float *gate_up = attn + M * q_width; /* [M, 2I], then silu(gate) * up in its first I columns */
+
+    rms_norm_f32(x, ln1, h, M, H, eps);
+    gemv_f32(h, w_qkv, qkv, M, qkv_width, H, 0);
+    const int64_t half = Dh / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * Dh, *s = sin + m * Dh;
+        for (int64_t head = 0; head < heads + kv_heads; head++) { /* q heads, then k heads */
+            float *v = qkv + m * qkv_width + head * Dh;
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = v[i], hi = v[i + half];
+                v[i] = lo * c[i] - hi * s[i];
+                v[i + half] = hi * c[i + half] + lo * s[i + half];
+            }
+        }
+        const float *k = qkv + m * qkv_width + q_width;
+        memcpy(k_cache + slots[m] * kv_width, k, (size_t)kv_width * sizeof(float));
+        memcpy(v_cache + slots[m] * kv_width, k + kv_width, (size_t)kv_width * sizeof(float));
+    }
+    tl_decode_attention(TL_FLOAT32, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
+                        Dh, block_size, max_len, scale);
+    gemv_f32(attn, w_o, x, M, H, q_width, 1);
+
+    rms_norm_f32(x, ln2, h, M, H, eps);
+    gemv_f32(h, w_gate_up, gate_up, M, 2 * I, H, 0);
+    for (int64_t m = 0; m < M; m++) {
+        float *g = gate_up + m * 2 * I, *act = gate_up + m * I; /* packed to [M, I] in place, row by row */
+        for (int64_t i = 0; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+    }
+    gemv_f32(gate_up, w_down, x, M, H, I, 1);
+}

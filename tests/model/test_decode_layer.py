@@ -1,0 +1,173 @@
+"""The one-call float32 decode layer (cpu_kernels.decode_layer_f32_) against the torch-operator
+layer it replaces, and the model's decode steps with and without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenline.model import cpu_kernels
+from tokenline.model.attention import AttentionMetadata
+from tokenline.model.batch import ScheduledBatch, ScheduledSeq
+from tokenline.model.config import ModelConfig
+from tokenline.model.layers import Attention, RMSNorm, RotaryEmbedding
+from tokenline.model.llama import LlamaDecoderLayer
+from tokenline.model.runner import ModelRunner
+from tokenline.sampling_params import SamplingParams
+
+kernels = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 48
+
+
+def _config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+def _random_layer(config: ModelConfig, generator: torch.Generator) -> LlamaDecoderLayer:
+    layer = LlamaDecoderLayer(config)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.add_(1.0)
+    return layer.eval()
+
+
+def _decode_step(config: ModelConfig, rows: int, generator: torch.Generator):
+    """x, positions, a filled KV cache, and the step's metadata: `rows` sequences of different lengths
+    in scattered blocks, each decoding one token."""
+    lens = [int(n) for n in torch.randint(1, 200, (rows,), generator=generator)]
+    blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    width = max(-(-n // BLOCK_SIZE) for n in lens)
+    tables, slots = [], []
+    for n in lens:
+        own = [blocks.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        tables.append(own + [0] * (width - len(own)))
+        slots.append(own[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
+    kv = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim, generator=generator)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decode_tokens=rows, decode_block_tables=torch.tensor(tables),
+        decode_context_lens=torch.tensor(lens), max_decode_context_len=max(lens),
+    )
+    cols = torch.arange(width * BLOCK_SIZE)
+    meta.decode_mask = (cols[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+    positions = torch.tensor(lens) - 1
+    return torch.randn(rows, config.hidden_size, generator=generator), positions, kv, meta
+
+
+def _fused(layer: LlamaDecoderLayer, x: torch.Tensor, cos_sin, kv: torch.Tensor, meta: AttentionMetadata):
+    assert kernels is not None
+    weights = layer.decode_weights()
+    assert weights is not None
+    cos, sin = (t.reshape(x.shape[0], -1).contiguous() for t in cos_sin)
+    rows = cpu_kernels.DecodeRows(cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                  meta.max_decode_context_len)
+    scratch = torch.empty(cpu_kernels.decode_layer_scratch(x.shape[0], weights))
+    out = x.clone()
+    kernels.decode_layer_f32_(out, weights, rows, kv[0], kv[1], scratch)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "shape",
+    # The default model's layer; odd sizes (vector tails, the generic attention path).
+    [(576, 1536, 9, 3, 64), (100, 70, 4, 2, 24)],
+)
+def test_fused_layer_matches_torch_layer(rows: int, shape: tuple[int, ...]) -> None:
+    config = _config(*shape)
+    generator = torch.Generator().manual_seed(rows * 7 + shape[0])
+    layer = _random_layer(config, generator)
+    x, positions, kv, meta = _decode_step(config, rows, generator)
+    rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+    cos_sin = rotary.lookup(positions, torch.float32)
+    kv_torch, kv_fused = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
+        got = _fused(layer, x, cos_sin, kv_fused, meta)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # float32, another summation order
+    torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)  # the rotated K and V written
+    # The inputs make every part matter: a step one position off (RoPE) or without the residual
+    # lands far outside the tolerance above.
+    shifted = rotary.lookup(positions + 1, torch.float32)
+    with torch.inference_mode():
+        off_by_one = _fused(layer, x, shifted, kv.clone(), meta)
+    assert (off_by_one - expected).abs().max() > 1e-2
+    assert ((got - x) - expected).abs().max() > 1e-1
+
+
+def test_only_plain_float32_layers_take_the_fused_path() -> None:
+    config = _config(64, 96, 4, 2, 16)
+    assert _random_layer(config, torch.Generator().manual_seed(0)).decode_weights() is not None
+    qk_norm = LlamaDecoderLayer(config, Attention(config, qk_norm=RMSNorm))  # Qwen3's layer
+    assert qk_norm.decode_weights() is None
+    assert LlamaDecoderLayer(config).to(torch.bfloat16).decode_weights() is None
+
+
+@needs_kernels
+def test_decode_layer_rejects_rows_that_do_not_fit() -> None:
+    assert kernels is not None
+    config = _config(64, 96, 4, 2, 16)
+    layer = _random_layer(config, torch.Generator().manual_seed(0))
+    weights = layer.decode_weights()
+    assert weights is not None
+    x, positions, kv, meta = _decode_step(config, 2, torch.Generator().manual_seed(1))
+    cos, sin = (t.reshape(2, -1) for t in RotaryEmbedding(16, 10000.0).lookup(positions, torch.float32))
+    rows = cpu_kernels.DecodeRows(cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                  meta.max_decode_context_len)
+    scratch = torch.empty(cpu_kernels.decode_layer_scratch(2, weights))
+    with pytest.raises(ValueError):
+        kernels.decode_layer_f32_(x[:1], weights, rows, kv[0], kv[1], scratch)  # rows differ from the step's
+    with pytest.raises(ValueError):
+        kernels.decode_layer_f32_(x, weights, rows, kv[0], kv[1], scratch[:10])
+    with pytest.raises(ValueError):
+        kernels.decode_layer_f32_(torch.randn(5, 64), weights, rows, kv[0], kv[1], scratch)  # over the row cap
+
+
+@needs_kernels
+def test_model_decode_steps_agree_with_the_torch_path(default_model_dir: Path) -> None:
+    """The real default model at batch 1, 4 (the cap) and 6 (beyond it, the torch path): the fused
+    steps pick the same greedy tokens as the torch path."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a shared box each two-thread region waits for a descheduled thread
+    try:
+        _compare_paths(ModelRunner(default_model_dir, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_paths(runner: ModelRunner) -> None:
+    per_seq = 8
+    runner.allocate_kv_cache(2 * 6 * per_seq, BLOCK_SIZE)
+    model = runner.model
+    assert model.fused_decode_rows == cpu_kernels.DECODE_LAYER_MAX_ROWS
+    sp = SamplingParams(temperature=0.0, max_tokens=64).with_defaults()
+    generator = torch.Generator().manual_seed(3)
+    for batch in (1, 4, 6):
+        prompts = [torch.randint(100, 40000, (int(n),), generator=generator).tolist()
+                   for n in torch.randint(5, 40, (batch,), generator=generator)]
+        outputs = {}
+        for path, fused_rows in (("torch", 0), ("fused", cpu_kernels.DECODE_LAYER_MAX_ROWS)):
+            model.fused_decode_rows = fused_rows
+            base = 0 if path == "torch" else 6 * per_seq
+            tables = [list(range(base + i * per_seq, base + (i + 1) * per_seq)) for i in range(batch)]
+            seqs = [list(p) for p in prompts]
+            runner.execute(ScheduledBatch([ScheduledSeq(f"s{i}", s, 0, tables[i], True, sp)
+                                           for i, s in enumerate(seqs)]))
+            for _ in range(8):
+                out = runner.execute(ScheduledBatch([ScheduledSeq(f"s{i}", [s[-1]], len(s) - 1, tables[i], True, sp)
+                                                     for i, s in enumerate(seqs)]))
+                for i, s in enumerate(seqs):
+                    s.append(out[f"s{i}"].token_id)
+            outputs[path] = seqs
+        assert outputs["fused"] == outputs["torch"], f"batch {batch}"
