@@ -48,6 +48,17 @@ def test_speculative_config_sets_the_speculative_flags(default_model_dir: Path) 
     assert (e.speculative, e.num_speculative_tokens, e.prompt_lookup_max) == ("ngram", 3, 5) and idle == []
 
 
+
+def test_speculative_config_suffix_and_its_options(default_model_dir: Path) -> None:
+    s, idle = settings(default_model_dir, "--speculative-config",
+                       '{"method": "suffix", "num_speculative_tokens": 12, "suffix_decoding_max_tree_depth": 32, '
+                       '"suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.2}')
+    e = s.engine
+    assert (e.speculative, e.num_speculative_tokens, e.suffix_decoding_max_tree_depth) == ("suffix", 12, 32)
+    assert (e.suffix_decoding_max_spec_factor, e.suffix_decoding_min_token_prob) == (2.0, 0.2) and idle == []
+    s, _ = settings(default_model_dir, "--speculative", "suffix", "--suffix-decoding-max-spec-factor", "0.5")
+    assert (s.engine.speculative, s.engine.suffix_decoding_max_spec_factor) == ("suffix", 0.5)
+
 def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
     args = build_parser().parse_args(["serve", str(default_model_dir), "--enable-prefix-caching"])
     s, idle = serve_settings_from_args(args)

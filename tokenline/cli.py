@@ -55,8 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hybrid-state-checkpoints", type=int, default=None, metavar="N",
                         help="hybrid models: state checkpoint slots (default: 2 x --max-num-seqs, at most half "
                              "of --kv-cache-memory); 0 turns prefix caching off for them")
-    parser.add_argument("--speculative", default=None, choices=["ngram", "mtp"],
+    parser.add_argument("--speculative", default=None, choices=["ngram", "suffix", "mtp"],
                         help="speculative decoding for greedy requests; ngram: drafts looked up in the context; "
+                             "suffix: drafts from a suffix tree of the request's tokens, adaptive length; "
                              "mtp: drafts from the checkpoint's own multi-token-prediction head (hybrid Qwen3.5)")
     parser.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                         help="most draft tokens per request and step")
@@ -64,6 +65,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="longest n-gram the ngram proposer matches")
     parser.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
                         help="shortest n-gram the ngram proposer matches")
+    parser.add_argument("--suffix-decoding-max-tree-depth", type=int, default=d.suffix_decoding_max_tree_depth,
+                        help="suffix proposer: deepest substring the tree holds (match + draft)")
+    parser.add_argument("--suffix-decoding-max-spec-factor", type=float, default=d.suffix_decoding_max_spec_factor,
+                        help="suffix proposer: drafts at most this factor x the match length")
+    parser.add_argument("--suffix-decoding-min-token-prob", type=float, default=d.suffix_decoding_min_token_prob,
+                        help="suffix proposer: stop drafting where the estimated probability falls below this")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
                              '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
@@ -95,6 +102,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max,
         prompt_lookup_min=args.prompt_lookup_min,
+        suffix_decoding_max_tree_depth=args.suffix_decoding_max_tree_depth,
+        suffix_decoding_max_spec_factor=args.suffix_decoding_max_spec_factor,
+        suffix_decoding_min_token_prob=args.suffix_decoding_min_token_prob,
         **(parse_kv_events_config(args.kv_events_config) if getattr(args, "kv_events_config", None) else {}),
     )
 
@@ -412,7 +422,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokenline.bench.serve import BenchServeConfig, run_bench_serve
+    from tokenline.bench.serve import BenchServeConfig, load_dataset_prompts, run_bench_serve
 
     try:
         extra_body = json.loads(args.extra_body) if args.extra_body else {}
@@ -422,18 +432,21 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not isinstance(extra_body, dict):
         print("tokenline bench serve: --extra-body must be a JSON object", file=sys.stderr)
         return 2
-    endpoint = args.endpoint or ("chat" if args.workload == "multiturn" else "completions")
+    workload = "dataset" if args.dataset_path else args.workload
+    endpoint = args.endpoint or ("chat" if workload == "multiturn" else "completions")
     try:
         config = BenchServeConfig(
             base_url=args.base_url, concurrency=args.concurrency, num_prompts=args.num_prompts,
             input_len=args.input_len, output_len=args.output_len, seed=args.seed, model=args.model,
             api_key=args.api_key, endpoint=endpoint, tokenizer_dir=args.tokenizer_dir,
             shared_prefix_len=args.shared_prefix_len, timeout=args.timeout,
-            extra_body=extra_body, workload=args.workload, num_groups=args.num_groups,
+            extra_body=extra_body, workload=workload, dataset_path=args.dataset_path, num_groups=args.num_groups,
             num_conversations=args.num_conversations, turns=args.turns, system_prompt_len=args.system_prompt_len,
             replica_metrics_urls=args.replica_metrics_url or [], metrics_api_key=args.metrics_api_key,
         )
-    except ValueError as e:
+        if config.dataset_path is not None:
+            load_dataset_prompts(config.dataset_path, 1)  # a bad file fails here, in one line
+    except (ValueError, OSError) as e:
         print(f"tokenline bench serve: {e}", file=sys.stderr)
         return 2
     report = asyncio.run(run_bench_serve(config))
@@ -745,9 +758,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=1,
                    help="most requests (multiturn: conversations) in flight")
-    p.add_argument("--workload", default="random", choices=["random", "multiturn"],
+    p.add_argument("--workload", default="random", choices=["random", "multiturn", "dataset"],
                    help="random: --num-prompts prompts of --input-len; multiturn: chats over shared system "
-                        "prompts, each turn a fresh user message of --input-len plus the model's earlier answers")
+                        "prompts, each turn a fresh user message of --input-len plus the model's earlier answers; "
+                        "dataset: the prompts of --dataset-path")
+    p.add_argument("--dataset-path", default=None, metavar="JSONL",
+                   help='prompts to send, one {"prompt": "..."} a line (vLLM\'s custom dataset); implies '
+                        "--workload dataset; --num-prompts of them, cycling")
     p.add_argument("--num-prompts", type=int, default=64, help="random workload: requests")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (multiturn: per user message)")
     p.add_argument("--output-len", type=int, default=128)

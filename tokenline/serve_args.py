@@ -62,8 +62,11 @@ def _refuse_max_logprobs(value: Any) -> str | None:
 
 
 # vLLM's --speculative-config methods tokenline runs, as its own --speculative values.
-SPECULATIVE_METHODS = {"ngram": "ngram", "mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
-SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "mtp": "mtp", "qwen3_next_mtp": "mtp",
+                       "qwen3_5_mtp": "mtp"}
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor",
+                    "suffix_decoding_min_token_prob"}
 
 
 def speculative_config_fields(text: str) -> dict[str, Any]:
@@ -168,8 +171,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              {"type": int},
              refuse=_refuse_max_logprobs, idle=lambda v: v < 20),
     VllmFlag(("--speculative-config",), LIMITED,
-             "JSON: method ngram or mtp (qwen3_next_mtp, qwen3_5_mtp alike), num_speculative_tokens, "
-             "prompt_lookup_max/min, as --speculative and its flags; draft-model methods are refused",
+             "JSON: method ngram, suffix or mtp (qwen3_next_mtp, qwen3_5_mtp alike), num_speculative_tokens, "
+             "prompt_lookup_max/min, suffix_decoding_max_tree_depth/max_spec_factor/min_token_prob, as "
+             "--speculative and its flags; draft-model methods are refused",
              refuse=_refuse_speculative_config, idle=lambda v: False),
     VllmFlag(("--gpu-memory-utilization",), NO_EFFECT, "the KV cache gets --kv-cache-memory GiB instead",
              {"type": float}),

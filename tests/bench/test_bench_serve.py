@@ -271,6 +271,28 @@ def test_cli_writes_json(fake_server: tuple[str, FakeState], tokenizer_dir: Path
     assert (data["completed"], data["failed"], data["seed"], data["concurrency"]) == (4, 0, 3, 2)
 
 
+
+def test_dataset_prompts_sent_as_text_cycling(fake_server: tuple[str, FakeState], tokenizer_dir: Path,
+                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base_url, state = fake_server
+    state.reset(first_delay=0.02, chunk_delay=0.005)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "def f(x):"}\n\n{"prompt": "Text: a b c"}\n')
+    rc = cli_main(["bench", "serve", "--base-url", base_url, "--dataset-path", str(data), "--num-prompts", "5",
+                   "--output-len", "3", "--concurrency", "2", "--tokenizer-dir", str(tokenizer_dir),
+                   "--extra-body", '{"ignore_eos": false, "stop": ["```"]}'])
+    assert rc == 0
+    assert "dataset" in capsys.readouterr().out
+    assert [b["prompt"] for b in state.bodies].count("def f(x):") == 3  # 5 requests over 2 prompts
+    assert sorted({b["prompt"] for b in state.bodies}) == ["Text: a b c", "def f(x):"]
+    assert all(b["ignore_eos"] is False and b["stop"] == ["```"] for b in state.bodies)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    assert cli_main(["bench", "serve", "--base-url", base_url, "--dataset-path", str(bad)]) == 2
+    assert "bad.jsonl:1: each line must be a JSON object with a string 'prompt'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs a dataset path"):
+        BenchServeConfig(base_url=base_url, workload="dataset")
+
 def test_wait_healthy_says_when_the_server_exited_or_never_answered() -> None:
     import subprocess
     import sys

@@ -6,7 +6,9 @@ through ``/v1/completions`` (as token-id arrays, so the input length is exact) o
 flight. Per request it measures TTFT, inter-token latencies, TPOT and end-to-end latency, and the
 report holds throughput and percentiles in the spirit of ``vllm bench serve``.
 
-``workload="multiturn"`` sends chats instead (``bench/multiturn.py``): groups sharing a system
+``workload="dataset"`` sends the prompts of a JSONL file instead (one ``{"prompt": "..."}`` a line,
+as vLLM's custom dataset; text, so the input length is the server's count), and
+``workload="multiturn"`` sends chats (``bench/multiturn.py``): groups sharing a system
 prompt, conversations whose turns feed the model's answers back. Either way the report holds the
 prefix-cache hit rate over the run, from the server's (or each replica's) ``/metrics``, and the
 share of prompt tokens the responses' usage reported as cached.
@@ -29,7 +31,7 @@ from typing import Any
 import httpx
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-WORKLOADS = ("random", "multiturn")
+WORKLOADS = ("random", "multiturn", "dataset")
 
 
 @dataclass
@@ -56,6 +58,9 @@ class BenchServeConfig:
     num_conversations: int = 16
     turns: int = 4
     system_prompt_len: int = 512
+    # "dataset": a JSONL file of {"prompt": text}; num_prompts of them are sent, in file order
+    # (cycling when the file has fewer).
+    dataset_path: str | None = None
     # Where the prefix-cache counters are read: each replica's /metrics (base or full URL);
     # empty: the server's own, at base_url. metrics_api_key None: api_key.
     replica_metrics_urls: list[str] = field(default_factory=list)
@@ -71,6 +76,8 @@ class BenchServeConfig:
                 raise ValueError("the multiturn workload sends chat messages: use endpoint chat")
             if min(self.num_groups, self.num_conversations, self.turns, self.system_prompt_len) < 1:
                 raise ValueError("num_groups, num_conversations, turns and system_prompt_len must be >= 1")
+        if (self.workload == "dataset") != (self.dataset_path is not None):
+            raise ValueError("the dataset workload needs a dataset path, and only it takes one")
         if self.concurrency < 1 or self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
             raise ValueError("concurrency, num_prompts, input_len and output_len must be >= 1")
         if not 0 <= self.shared_prefix_len <= self.input_len:
@@ -494,7 +501,7 @@ async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
         output_len=config.output_len,
         seed=config.seed,
         shared_prefix_len=config.shared_prefix_len,
-        input_len_exact=not chat,
+        input_len_exact=not chat and config.workload == "random",
         completed=len(ok),
         failed=len(failed),
         errors=dict(Counter(r.error for r in failed).most_common(10)),
@@ -535,16 +542,40 @@ def _cached_share(results: Sequence[RequestResult]) -> tuple[int, float | None]:
     return cached, (cached / prompt if prompt > 0 else None)
 
 
+def load_dataset_prompts(path: str | Path, num_prompts: int) -> list[str]:
+    """``num_prompts`` prompts from a JSONL file of ``{"prompt": text}`` lines, cycling through them."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f"{path}:{number}: each line must be a JSON object with a string 'prompt'")
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return [prompts[i % len(prompts)] for i in range(num_prompts)]
+
+
 async def _run_random(client: httpx.AsyncClient, config: BenchServeConfig, url: str, common: dict[str, Any],
                       chat: bool, tokenizer: Any, ordinary: Sequence[int]) -> tuple[list[RequestResult], float, int]:
-    """The random workload: results in prompt order, the duration and the most requests in flight."""
-    prompts = make_prompts(config.num_prompts, config.input_len, ordinary, config.seed, config.shared_prefix_len)
+    """The random (or dataset) workload: results in prompt order, the duration and the most
+    requests in flight."""
     payloads: list[dict[str, Any]] = []
-    for ids in prompts:
-        if chat:  # decoding and re-encoding random ids changes the count: the length is approximate
-            payloads.append({**common, "messages": [{"role": "user", "content": tokenizer.decode(ids)}]})
-        else:
-            payloads.append({**common, "prompt": ids})
+    if config.dataset_path is not None:
+        texts = load_dataset_prompts(config.dataset_path, config.num_prompts)
+        # The client's count until the server's usage says (chat adds the template's tokens).
+        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        for text in texts:
+            message = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+            payloads.append({**common, **message})
+    else:
+        prompts = make_prompts(config.num_prompts, config.input_len, ordinary, config.seed, config.shared_prefix_len)
+        for ids in prompts:
+            if chat:  # decoding and re-encoding random ids changes the count: the length is approximate
+                payloads.append({**common, "messages": [{"role": "user", "content": tokenizer.decode(ids)}]})
+            else:
+                payloads.append({**common, "prompt": ids})
 
     results: list[RequestResult | None] = [None] * len(payloads)
     next_index = 0

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from tokenline.engine.ngram_proposer import check_ngram_settings
+from tokenline.engine.suffix_proposer import check_suffix_settings
 
 if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore
@@ -40,12 +41,18 @@ class EngineConfig:
     hybrid_state_checkpoint_interval: int | None = None
     hybrid_state_checkpoints: int | None = None
     check_integrity_every_step: bool = False
-    # Speculative decoding (greedy requests): "ngram" drafts by prompt lookup, "mtp" with the
-    # checkpoint's own multi-token-prediction head (hybrid Qwen3.5-class models).
+    # Speculative decoding (greedy requests): "ngram" drafts by prompt lookup, "suffix" from a
+    # suffix tree of the request's tokens (adaptive length), "mtp" with the checkpoint's own
+    # multi-token-prediction head (hybrid Qwen3.5-class models).
     speculative: str | None = None
     num_speculative_tokens: int = 4  # most draft tokens per request and step
     prompt_lookup_max: int = 4  # longest n-gram the proposer matches
     prompt_lookup_min: int = 2  # shortest
+    # Suffix decoding, named as vLLM's: the tree's depth (match + draft), drafts at most this factor
+    # x the match length, and the least estimated probability a drafted run may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # KV cache events (vLLM's --kv-events-config): recorded by the block pool and sent with every
     # StepOutputs; with an endpoint also published on a ZMQ PUB socket the engine binds, e.g.
     # "tcp://127.0.0.1:5557", with an optional ROUTER socket that replays missed batches.
@@ -85,9 +92,11 @@ class EngineConfig:
             raise ValueError(f"hybrid_state_checkpoints must be >= 0, got {self.hybrid_state_checkpoints}")
         if self.num_kv_blocks is None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
-        if self.speculative not in (None, "ngram", "mtp"):
-            raise ValueError(f"speculative must be 'ngram', 'mtp' or unset, got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "suffix", "mtp"):
+            raise ValueError(f"speculative must be 'ngram', 'suffix', 'mtp' or unset, got {self.speculative!r}")
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+        check_suffix_settings(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth,
+                              self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob)
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
@@ -177,6 +186,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     from tokenline.engine.mtp_proposer import MtpProposer
     from tokenline.engine.ngram_proposer import NgramProposer
     from tokenline.engine.scheduler import SchedulerConfig
+    from tokenline.engine.suffix_proposer import SuffixProposer
     from tokenline.model.config import ModelConfig
     from tokenline.model.grammar import GrammarCompiler
     from tokenline.model.loader import resolve_dtype
@@ -212,9 +222,14 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    proposer: NgramProposer | MtpProposer | None = None
+    proposer: NgramProposer | SuffixProposer | MtpProposer | None = None
     if config.speculative == "ngram":
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.speculative == "suffix":
+        proposer = SuffixProposer(
+            config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob,
+        )
     elif config.speculative == "mtp":
         proposer = MtpProposer(config.num_speculative_tokens)  # hands on the runner's MTP drafts
     # Structured output needs the tokenizer's vocabulary (bytes of every id) for its masks.

@@ -31,6 +31,7 @@ from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
+from tokenline.engine.suffix_proposer import SuffixProposer
 from tokenline.model.batch import Runner, SampledToken, ScheduledBatch
 from tokenline.model.grammar import GrammarCompiler
 
@@ -57,7 +58,7 @@ class EngineCore:
         eos_token_ids: Iterable[int] = (),
         device: str = "cpu",
         check_integrity_every_step: bool = False,
-        proposer: NgramProposer | MtpProposer | None = None,
+        proposer: NgramProposer | SuffixProposer | MtpProposer | None = None,
         clock: Callable[[], float] = time.monotonic,
         grammar_compiler: GrammarCompiler | None = None,
         grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,

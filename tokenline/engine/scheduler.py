@@ -27,6 +27,7 @@ from tokenline.engine.messages import FinishReason
 from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
+from tokenline.engine.suffix_proposer import SuffixProposer
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
 from tokenline.model.grammar import fill_bitmasks
 
@@ -62,7 +63,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
-        proposer: NgramProposer | MtpProposer | None = None,
+        proposer: NgramProposer | SuffixProposer | MtpProposer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -113,6 +114,9 @@ class Scheduler:
         scheduled: dict[str, int] = {}  # request id -> tokens computed this step
         drafts: dict[str, list[int]] = {}  # request id -> draft tokens among those
         preempted = False
+        if isinstance(self.proposer, SuffixProposer):
+            # Its drafts get more cautious as the batch grows (a rejected row costs more there).
+            self.proposer.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
 
         for request in list(self.running):
             if budget <= 0:
@@ -198,6 +202,8 @@ class Scheduler:
                 continue  # a prefill chunk that does not reach the end yet
             token = sampled[seq.request_id]
             new_token_ids = self._accept(seq.draft_token_ids, token)
+            if isinstance(self.proposer, SuffixProposer):
+                self.proposer.record(request.request_id, len(seq.draft_token_ids), len(new_token_ids) - 1)
             if isinstance(self.proposer, MtpProposer) and token.next_draft_token_ids:
                 # Drafted by the runner to follow the tokens just accepted (before any stop cuts them).
                 known = seq.start_pos + seq.num_tokens - len(seq.draft_token_ids)
