@@ -72,6 +72,7 @@ def run(batch_size: int, steps: int, prompt_len: int, warmup: int, runner: Model
             if i >= warmup:
                 wall[name].append(time.perf_counter() - w0)
                 cpu[name].append(time.thread_time() - c0)
+    agree = state["torch"][0] == state["fused"][0]
     if profile and batch_size == 1:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -81,7 +82,6 @@ def run(batch_size: int, steps: int, prompt_len: int, warmup: int, runner: Model
                 _step(runner, *state["torch"], sp)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     model.fused_decode_rows = fused_rows
-    agree = state["torch"][0] == state["fused"][0]
     row = {"batch": batch_size, "agree": agree}
     for name in paths:
         row[f"{name}_wall_ms"] = statistics.median(wall[name]) * 1e3
