@@ -45,6 +45,7 @@ from tokenline.api.protocol import (
     UsageInfo,
     random_id,
 )
+from tokenline.api.sse import ChunkFrame
 from tokenline.engine.client import EngineClient, EngineDeadError, EngineRequestError, OutputCollector
 from tokenline.engine.messages import EngineOutput, TokenLogprobs
 from tokenline.frontend.processor import ChatParserFactory, InputProcessor
@@ -531,20 +532,20 @@ class OpenAIServing:
         """The SSE frame both APIs share: one chunk per choice entry, the usage chunk, [DONE];
         an error after the headers went out becomes an error event."""
         include_usage, continuous = request.stream_include_usage, request.stream_continuous_usage
-
-        def event(choices: list[Any], usage: UsageInfo | None) -> str:
-            body = chunk_type(id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices)
-            if include_usage:
-                body.usage = usage  # OpenAI sends "usage": null on the chunks before the last
-            return f"data: {body.model_dump_json()}\n\n"
+        frame = ChunkFrame(chunk_type, gen.response_id, gen.created, self.served_model_name, include_usage)
 
         try:
             async for updates in self._updates(gen):
-                for update in updates:
-                    for entry in entries(update.seq, update.text, update.logprobs):
-                        yield event([entry], gen.usage() if continuous else None)
+                # One write per batch of engine outputs: the events are the same, the sends fewer.
+                events = [
+                    frame.event([entry], gen.usage() if continuous else None)
+                    for update in updates
+                    for entry in entries(update.seq, update.text, update.logprobs)
+                ]
+                if events:
+                    yield "".join(events)
             if include_usage:
-                yield event([], gen.usage())
+                yield frame.event([], gen.usage())
         except APIError as exc:
             yield _sse_event(exc.to_dict())
         yield "data: [DONE]\n\n"

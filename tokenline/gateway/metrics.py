@@ -206,6 +206,9 @@ class ServerMetrics:
             family.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        # Observed once per streamed token: the labelled children are looked up once, not per call.
+        self._ttft_child = self.ttft.labels(model_name)
+        self._itl_child = self.itl.labels(model_name)
 
     def declare_filter(self, name: str, stages: Iterable[str], verdicts: Iterable[str]) -> None:
         """A configured filter's series exist at zero before its first verdict."""
@@ -223,10 +226,10 @@ class ServerMetrics:
         return [tenant] if self.tenant_labels else []
 
     def first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self.model_name).observe(ttft_s)
+        self._ttft_child.observe(ttft_s)
 
     def inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+        self._itl_child.observe(seconds)
 
     def finished(
         self, prompt_tokens: int, completion_tokens: int, finish_reason: str, timings: RequestTimings | None,
