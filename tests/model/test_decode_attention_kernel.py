@@ -5,7 +5,9 @@ and without AVX-512 (the portable paths) on this same CPU."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -117,12 +119,26 @@ def test_large_scores_rescale_without_overflow() -> None:
     _check(ours, _reference(q, k_cache, v_cache, tables, lens), torch.float32, rtol32=1e-4)
 
 
+@pytest.fixture(scope="module")
+def portable_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], cpu_kernels.CpuKernels]:
+    """The kernels compiled with extra flags, each build once a module (both dtypes use it), in a
+    kernel cache of its own rather than the user's."""
+    home = tmp_path_factory.mktemp("portable_kernels")
+
+    @functools.cache
+    def build(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TOKENLINE_HOME", str(home))
+            return cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=flags))
+
+    return build
+
+
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_portable_builds_match_reference(flags, dtype, tmp_path, monkeypatch) -> None:
+def test_portable_builds_match_reference(flags, dtype, portable_build) -> None:
     """The same source built without the dot-product instructions, and without AVX-512 at all."""
-    monkeypatch.setenv("TOKENLINE_HOME", str(tmp_path))
-    portable = cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=flags))
+    portable = portable_build(flags)
     assert not portable.has_avx512bf16
     q, k_cache, v_cache, tables, lens = _case(11, 5, 9, 3, 64, 16, [1, 50, 320, 16, 100], dtype)
     ours = portable.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
