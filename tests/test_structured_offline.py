@@ -14,13 +14,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import SchedulerConfig
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-from tokenline.model.random_models import make_qwen3_5_tiny
 from tokenline.sampling_params import StructuredOutputs
 
 MAX_TOKENS = 160
@@ -294,11 +293,8 @@ def test_smollm2_speculative_float32_identical_and_preemption(default_model_dir:
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_5_tiny_structured")
-    make_qwen3_5_tiny(out, seed=0)
-    build_qwen_tokenizer(out)
-    return out
+def qwen_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5()
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
+from tests.conftest import TinyQwen3_5
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.llm import LLM
 from tokenline.model.model_store import resolve_model
-from tokenline.model.random_models import make_qwen3_5_tiny
 from tokenline.trace_walk import Trace, load_prices, render, walk
 
 QUESTION = "What is the capital of France?"
@@ -124,11 +123,8 @@ def test_the_rich_rendering_shows_every_stage(llm: LLM) -> None:
     assert "<|im_start|>" in text and "from the prefix cache" in text and trace.runs[0].text[:3] in text
 
 
-def test_the_hybrid_model_claims_a_state_slot(tmp_path: Path) -> None:
-    model_dir = tmp_path / "qwen3.5-tiny"
-    make_qwen3_5_tiny(model_dir, seed=0)
-    build_qwen_tokenizer(model_dir)
-    trace = run_trace("Hello", "--model", str(model_dir), "--max-tokens", "3", "--max-num-seqs", "2")
+def test_the_hybrid_model_claims_a_state_slot(tiny_qwen3_5: TinyQwen3_5) -> None:
+    trace = run_trace("Hello", "--model", str(tiny_qwen3_5()), "--max-tokens", "3", "--max-num-seqs", "2")
     run = trace["runs"][0]
     assert run["kv"]["state_slot"] in (0, 1)
     assert all(c["state_slot"] == run["kv"]["state_slot"] for c in run["chunks"])

@@ -10,10 +10,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.conftest import TinyQwen3_5
 from tests.e2e.conftest import Server, start_server
 from tokenline import LLM, SamplingParams
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-from tokenline.model.random_models import make_qwen3_5_tiny
 
 SYSTEM = {"role": "system", "content": "You are a travel guide for Japan. Answer briefly, in plain words, one idea per line."}
 QUESTIONS = ["Plan a day in Kyoto.", "And the evening?", "Where should I eat?", "How do I get back to Osaka?"]
@@ -21,11 +20,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "qwen3.5-tiny"
-    make_qwen3_5_tiny(out, seed=0)
-    build_qwen_tokenizer(out)
-    return out
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5()
 
 
 @pytest.fixture(scope="module")

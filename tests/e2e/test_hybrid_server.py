@@ -12,10 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.conftest import TinyQwen3_5
 from tests.e2e.conftest import Server, start_server, wait_until
 from tests.e2e.event_stream import EventReader
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-from tokenline.model.random_models import make_qwen3_5_tiny
 
 TOOLS = [
     {
@@ -30,10 +29,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model_dir = tmp_path_factory.mktemp("tiny") / "qwen3.5-tiny"
-    make_qwen3_5_tiny(model_dir, seed=0)
-    build_qwen_tokenizer(model_dir)
+def hybrid(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5: TinyQwen3_5) -> Iterator[Server]:
+    model_dir = tiny_qwen3_5()
     flags = ("--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3", "--served-model-name", "tiny")
     with start_server(tmp_path_factory.mktemp("hybrid"), str(model_dir), *flags) as server:
         yield server

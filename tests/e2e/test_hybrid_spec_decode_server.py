@@ -11,16 +11,17 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.conftest import TinyQwen3_5
 from tests.e2e.conftest import Server, start_server
-from tests.engine.test_hybrid_spec_decode import make_model, repetitive_prompts
+from tests.engine.test_hybrid_spec_decode import LINEAR_SCALE, repetitive_prompts
 from tokenline import LLM, SamplingParams
 
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("qwen3_5_loud"))
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5(linear_scale=LINEAR_SCALE)
 
 
 @pytest.fixture(scope="module")

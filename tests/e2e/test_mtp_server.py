@@ -10,22 +10,19 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.conftest import TinyQwen3_5
 from tests.e2e.conftest import start_server
 from tokenline import LLM, SamplingParams
 from tokenline.cli import build_parser, serve_settings_from_args
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-from tokenline.model.random_models import make_qwen3_5_tiny, make_qwen3_tiny, scale_qwen3_5_linear_outputs
+from tokenline.model.random_models import make_qwen3_tiny
 
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "qwen3.5-tiny-mtp"
-    make_qwen3_5_tiny(out, seed=0, mtp_layers=1)
-    scale_qwen3_5_linear_outputs(out, 40.0)  # outputs that depend on the recurrent state (see tests/engine)
-    build_qwen_tokenizer(out)
-    return out
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    # Louder DeltaNet outputs: tokens that depend on the recurrent state (see tests/engine).
+    return tiny_qwen3_5(linear_scale=40.0, mtp_layers=1)
 
 
 def test_same_greedy_tokens_as_without_speculation(tmp_path: Path, model_dir: Path) -> None:

@@ -9,6 +9,7 @@ parsers, for reasoning items, reasoning effort and function calls.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -20,10 +21,10 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import TinyQwen3_5
 from tests.e2e.conftest import Server, start_server
-from tokenline.frontend.qwen_vocab import QWEN_CHAT_TEMPLATE, build_qwen_tokenizer
+from tokenline.frontend.qwen_vocab import QWEN_CHAT_TEMPLATE
 from tokenline.gateway.keys import add_key
-from tokenline.model.random_models import make_qwen3_5_tiny
 
 
 @dataclass
@@ -53,10 +54,9 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def thinker(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5: TinyQwen3_5) -> Iterator[openai.OpenAI]:
     model_dir = tmp_path_factory.mktemp("thinker") / "qwen3.5-tiny"
-    make_qwen3_5_tiny(model_dir, seed=0)
-    build_qwen_tokenizer(model_dir)
+    shutil.copytree(tiny_qwen3_5(), model_dir)  # a copy: its chat template changes below
     closed = "{{- '<think>\\n\\n</think>\\n\\n' -}}\n    {%- endif -%}"
     assert closed in QWEN_CHAT_TEMPLATE
     template = QWEN_CHAT_TEMPLATE.replace(closed, "{{- '<think>\\n\\n</think>\\n\\n' -}}\n    {%- else -%}\n"

@@ -9,22 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.scheduler import SchedulerConfig
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-from tokenline.model.random_models import make_qwen3_5_tiny
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_5_tiny")
-    make_qwen3_5_tiny(out, seed=0)
-    build_qwen_tokenizer(out)
-    return out
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5()
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.engine.state_checkpoints import StateCheckpointPool
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.model.batch import ScheduledBatch, ScheduledSeq
-from tokenline.model.random_models import make_qwen3_5_tiny
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -27,11 +26,8 @@ TOPICS = ["Kyoto", "the Rhine", "volcanoes", "sourdough", "chess openings", "tid
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    out = tmp_path_factory.mktemp("qwen3_5_tiny")
-    make_qwen3_5_tiny(out, seed=0)
-    build_qwen_tokenizer(out)
-    return LLM(out, dtype="float32", max_num_seqs=8, num_kv_blocks=64, block_size=BLOCK)
+def llm(tiny_qwen3_5: TinyQwen3_5) -> LLM:
+    return LLM(tiny_qwen3_5(), dtype="float32", max_num_seqs=8, num_kv_blocks=64, block_size=BLOCK)
 
 
 def use_engine(

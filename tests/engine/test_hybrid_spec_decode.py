@@ -11,39 +11,31 @@ all 1 + k positions' state instead of the accepted ones does)."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import SchedulerConfig
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
-from tokenline.model.random_models import make_qwen3_5_tiny, scale_qwen3_5_linear_outputs
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import StructuredOutputs
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-
-
-def make_model(out: Path) -> Path:
-    make_qwen3_5_tiny(out, seed=0)
-    scale_qwen3_5_linear_outputs(out, 10.0)
-    build_qwen_tokenizer(out)
-    return out
+LINEAR_SCALE = 10.0  # the tiny hybrid's DeltaNet outputs, scaled up (see the module's docstring)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    return LLM(make_model(tmp_path_factory.mktemp("qwen3_5_loud")), dtype="float32", max_num_seqs=8,
-               num_kv_blocks=64, block_size=BLOCK)
+def llm(tiny_qwen3_5: TinyQwen3_5) -> LLM:
+    return LLM(tiny_qwen3_5(linear_scale=LINEAR_SCALE), dtype="float32", max_num_seqs=8, num_kv_blocks=64,
+               block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -16,32 +16,28 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
 from tokenline.engine.config import EngineConfig, build_engine_core
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.scheduler import SchedulerConfig
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.model.batch import SampledToken, ScheduledSeq, num_accepted_drafts
-from tokenline.model.random_models import make_qwen3_5_tiny, scale_qwen3_5_linear_outputs
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_5_tiny_mtp")
-    make_qwen3_5_tiny(out, seed=0, mtp_layers=1)
-    scale_qwen3_5_linear_outputs(out, 40.0)
-    build_qwen_tokenizer(out)
-    return out
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5(linear_scale=40.0, mtp_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +47,14 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM(model_dir, dtype="float32", max_num_seqs=4, num_kv_blocks=128, block_size=4)
-    out = greedy(llm, prompts)
+def plain(model_dir: Path) -> LLM:
+    """The same checkpoint without --speculative mtp (it loads: the head's weights are skipped)."""
+    return LLM(model_dir, dtype="float32", max_num_seqs=4, num_kv_blocks=128, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def reference(plain: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    out = greedy(plain, prompts)
     assert all(len(set(tokens)) > MAX_TOKENS // 2 for tokens in out)  # not one token repeated
     return out
 
@@ -227,20 +228,19 @@ def test_drafts_the_target_agrees_with_are_accepted(
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
-def test_a_model_without_an_mtp_head_is_refused(tmp_path: Path, model_dir: Path) -> None:
+def test_a_model_without_an_mtp_head_is_refused(tmp_path: Path, plain: LLM, tiny_qwen3_5: TinyQwen3_5) -> None:
     config = EngineConfig(dtype="float32", num_kv_blocks=16, speculative="mtp")
-    no_head = tmp_path / "no_head"
-    make_qwen3_5_tiny(no_head, seed=0, mtp_layers=0)
+    no_head = tiny_qwen3_5(mtp_layers=0)
     with pytest.raises(ValueError, match="states no MTP head"):
         build_engine_core(config, no_head)
     stripped = tmp_path / "stripped"  # config names the head, weights stripped (as some quantized copies)
-    make_qwen3_5_tiny(stripped, seed=0, mtp_layers=0)
+    shutil.copytree(no_head, stripped)
     raw = json.loads((stripped / "config.json").read_text())
     (stripped / "config.json").write_text(json.dumps({**raw, "mtp_num_hidden_layers": 1}))
     with pytest.raises(ValueError, match="no mtp.\\* weights"):
         build_engine_core(config, stripped)
     # Without --speculative mtp the same checkpoint loads (the head's weights are skipped).
-    build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=16), model_dir)
+    assert plain.engine.runner.mtp is None
 
 
 def test_a_dense_model_is_refused(tmp_path: Path) -> None:
@@ -251,7 +251,6 @@ def test_a_dense_model_is_refused(tmp_path: Path) -> None:
         build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=16, speculative="mtp"), tmp_path)
 
 
-def test_the_head_kv_counts_in_the_block_size(model_dir: Path, llm: LLM) -> None:
-    plain = build_engine_core(EngineConfig(dtype="float32", num_kv_blocks=16), model_dir).runner
+def test_the_head_kv_counts_in_the_block_size(plain: LLM, llm: LLM) -> None:
     # The tiny model has one full-attention layer; the MTP layer adds as much again per block.
-    assert llm.engine.runner.kv_bytes_per_block(4) == 2 * plain.kv_bytes_per_block(4)
+    assert llm.engine.runner.kv_bytes_per_block(4) == 2 * plain.engine.runner.kv_bytes_per_block(4)

@@ -86,8 +86,9 @@ def test_output_side_text_stop_strings_and_usage(processor: InputProcessor) -> N
     assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (3, 2, len(ids) + 1)
 
 
-def test_a_constraint_is_validated_and_starts_after_the_reasoning(processor: InputProcessor, tmp_path: Path) -> None:
-    from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
+def test_a_constraint_is_validated_and_starts_after_the_reasoning(
+    processor: InputProcessor, qwen_tokenizer_dir: Path
+) -> None:
     from tokenline.sampling_params import StructuredOutputs
 
     with pytest.raises(PromptError) as exc:
@@ -97,8 +98,7 @@ def test_a_constraint_is_validated_and_starts_after_the_reasoning(processor: Inp
         processor.fit(SamplingParams(structured_outputs=StructuredOutputs(json={"type": "objectx"})), [0] * 10,
                       {"structured_outputs.json": "response_format.json_schema.schema"})
     assert exc.value.param == "response_format.json_schema.schema"
-    build_qwen_tokenizer(tmp_path)
-    qwen = Tokenizer.from_dir(tmp_path)
+    qwen = Tokenizer.from_dir(qwen_tokenizer_dir)
     thinking = InputProcessor(qwen, {}, lambda: CONTEXT, reasoning=True)
     spec = StructuredOutputs(json_object=True)
     opened = qwen.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)

