@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,24 @@ def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("qwen_tokenizer")
     build_qwen_tokenizer(out)
     return out
+
+
+@pytest.fixture
+def batched_prefill_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every step's prefill spans go through attention in one padded call, whatever their size (the
+    thresholds only pick the faster path); the list fills with each call's number of spans."""
+    from tokenline.model import attention, prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "BATCHED_PREFILL_MIN_SPANS", 2)
+    monkeypatch.setattr(prefill_attention, "BATCHED_PREFILL_MAX_QUERY_BYTES", 10**12)
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(len(args[5]))  # the spans
+        prefill_attention.prefill_batched(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "prefill_batched", counted)
+    return calls
 
 
 TinyQwen3_5 = Callable[..., Path]

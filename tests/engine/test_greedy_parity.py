@@ -138,24 +138,12 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(
 
 
 def test_prefill_spans_batched_through_attention(
-    llm: LLM, prompts: list[list[int]], reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    llm: LLM, prompts: list[list[int]], reference: list[list[int]], batched_prefill_calls: list[int]
 ) -> None:
-    # Every step's prefill spans in one attention call whatever their size (the threshold only
-    # picks the faster path): new prompts side by side, chunks beside other prompts' chunks, and
-    # spans after a cached prefix must give the same tokens.
-    from tokenline.model import attention, prefill_attention
-
-    monkeypatch.setattr(prefill_attention, "BATCHED_PREFILL_MIN_SPANS", 2)
-    monkeypatch.setattr(prefill_attention, "BATCHED_PREFILL_MAX_QUERY_BYTES", 10**12)
-    calls = []
-
-    def counted(*args, **kwargs) -> None:
-        calls.append(len(args[5]))
-        prefill_attention.prefill_batched(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "prefill_batched", counted)
+    # Every step's prefill spans in one attention call: new prompts side by side, chunks beside
+    # other prompts' chunks, and spans after a cached prefix must give the same tokens.
     use_engine(llm, num_blocks=256, block_size=4, budget=64, prefix=True)
     assert greedy(llm, prompts) == reference
     assert greedy(llm, prompts) == reference  # now after cached prefixes
-    assert calls and max(calls) >= 3
+    assert batched_prefill_calls and max(batched_prefill_calls) >= 3
     assert_pool_empty(llm)

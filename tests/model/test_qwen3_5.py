@@ -204,20 +204,11 @@ def test_fresh_sequences_ignore_stale_slot_state(model: Qwen3_5ForCausalLM, refe
         torch.testing.assert_close(got_e[0], want_e[1 + i], atol=ATOL, rtol=0)
 
 
-def test_prefill_spans_batched_through_attention(model: Qwen3_5ForCausalLM, reference: Any, monkeypatch) -> None:
+def test_prefill_spans_batched_through_attention(
+    model: Qwen3_5ForCausalLM, reference: Any, batched_prefill_calls: list[int]
+) -> None:
     # The full-attention layer runs a step's spans as one padded call (forced here for any size):
     # fresh prompts side by side, then continued chunks after their cached prefixes beside a decode.
-    from tokenline.model import attention, prefill_attention
-
-    monkeypatch.setattr(prefill_attention, "BATCHED_PREFILL_MIN_SPANS", 2)
-    monkeypatch.setattr(prefill_attention, "BATCHED_PREFILL_MAX_QUERY_BYTES", 10**12)
-    calls = []
-
-    def counted(*args, **kwargs) -> None:
-        calls.append(len(args[5]))
-        prefill_attention.prefill_batched(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "prefill_batched", counted)
     seqs = [Seq(random_tokens(n, seed=20 + i), slot=i) for i, n in enumerate((16, 16, 16, 6))]
     caches = new_caches(model)
     step = Step()
@@ -227,7 +218,7 @@ def test_prefill_spans_batched_through_attention(model: Qwen3_5ForCausalLM, refe
     work = [(seqs[0], 6), (seqs[1], 9), (seqs[2], 3), (seqs[3], 1)]
     for got, want, (seq, n) in zip(step.run(model, caches, work), wants, work):
         torch.testing.assert_close(got, want[seq.computed - n : seq.computed], atol=ATOL, rtol=0)
-    assert calls == [4, 3]  # one call per step (one attention layer), holding every span
+    assert batched_prefill_calls == [4, 3]  # one call per step (one attention layer), holding every span
 
 
 def test_chunked_rule_matches_recurrent_steps() -> None:
