@@ -422,12 +422,12 @@ def main() -> int:
     parser.add_argument("--no-kill", action="store_true", help="skip killing and restarting vLLM")
     parser.add_argument("--logs", default=None, help="directory for the servers' logs (default: a temp dir)")
     args = parser.parse_args()
-    if args.model_dir is None:
-        from tokenline.model.model_store import resolve_model
-        args.model_dir = str(resolve_model(None, progress=False))
     if not (Path(args.vllm_venv) / "bin" / "python").exists():
         print(f"no vLLM venv at {args.vllm_venv}: run bench/peers/install_vllm.sh", file=sys.stderr)
         return 2
+    if args.model_dir is None:
+        from tokenline.model.model_store import resolve_model
+        args.model_dir = str(resolve_model(None, progress=False))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="router-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)
     version = subprocess.run([str(Path(args.vllm_venv) / "bin" / "python"), "-c",
