@@ -673,7 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("router", help="the gateway in front of remote tokenline or vLLM servers (--upstream)")
     p.add_argument("--upstream", action="append", default=[], metavar="URL[,kv-events=tcp://H:P[,replay=tcp://H:P]]",
                    help="an upstream server's base URL serving the same model (repeat for each); with kv-events= "
-                        "the router reads its KV events (vLLM's ZMQ format) for precise prefix affinity; "
+                        "the router reads its KV events (vLLM's ZMQ format) for precise prefix affinity "
+                        "(kv-events-bind=tcp://H:P instead: the router listens there, for a vLLM whose publisher "
+                        "connects); "
                         "URL,kind=openai[,model=NAME]: an OpenAI-compatible endpoint that takes text only (a hosted "
                         "API), chat and completions forwarded as text (all upstreams of one router share a kind)")
     p.add_argument("--upstream-api-key", default=None,
