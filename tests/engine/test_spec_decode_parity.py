@@ -15,6 +15,7 @@ from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
 from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import SchedulerConfig
+from tokenline.engine.suffix_proposer import SuffixProposer
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -58,9 +59,9 @@ def expected(llm: LLM, prompts: dict[str, list[int]]) -> list[list[int]]:
 
 def use_engine(
     llm: LLM, speculative: bool, num_blocks: int = 128, block_size: int = 16, prefix: bool = False,
-    fills_pool: bool = True,
+    fills_pool: bool = True, method: str = "ngram",
 ) -> None:
-    """A fresh engine around the loaded model, with or without the n-gram proposer."""
+    """A fresh engine around the loaded model, with or without the proposer (n-gram, or "suffix")."""
     runner = llm.engine.runner
     runner.allocate_kv_cache(num_blocks, block_size)
     llm.engine = EngineCore(
@@ -69,7 +70,7 @@ def use_engine(
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=runner.max_model_len),
         eos_token_ids=runner.config.eos_token_ids,
         check_integrity_every_step=True,
-        proposer=NgramProposer(4, 2, 4) if speculative else None,
+        proposer=(SuffixProposer(8) if method == "suffix" else NgramProposer(4, 2, 4)) if speculative else None,
     )
 
 
