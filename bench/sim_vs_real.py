@@ -13,7 +13,7 @@ prefill steps' wall times against the profile's prediction): on a shared machine
 when the load of the moment is taken out.
 
     .venv/bin/python bench/sim_vs_real.py PROFILE.json OUT_DIR [--repeats 2] \\
-        [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 8,16,512,16 mt:4,8,4,2,256,32,32]
+        [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 32,64,128,32 8,16,512,16 mt:4,8,4,2,256,32,32]
         # c,num-prompts,in,out; mt:c,conversations,turns,groups,system-prompt-len,in,out
 """
 
@@ -94,7 +94,7 @@ class Workload:
 
     def label(self) -> str:
         if self.fleet is None:
-            return f"c={self.concurrency}, {self.input_len}/{self.output_len}"
+            return f"c={self.concurrency}, {self.num_prompts} × {self.input_len}/{self.output_len}"
         f = self.fleet
         return (f"c={self.concurrency} multi-turn, {f.num_conversations}×{f.turns} turns, {f.num_groups}×"
                 f"{f.system_prompt_len} system, {self.input_len}/{self.output_len}")
@@ -150,7 +150,8 @@ def main() -> int:
     parser.add_argument("profile")
     parser.add_argument("out_dir")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workloads", nargs="+", default=["1,6,128,32", "8,16,128,32", "32,32,128,32", "8,16,512,16", "mt:4,8,4,2,256,32,32"])
+    parser.add_argument("--workloads", nargs="+", default=["1,6,128,32", "8,16,128,32", "32,32,128,32", "32,64,128,32", "8,16,512,16",
+                                                         "mt:4,8,4,2,256,32,32"])
     args = parser.parse_args()
     profile = Profile.read(args.profile)
     out = Path(args.out_dir)
