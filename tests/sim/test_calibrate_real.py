@@ -65,7 +65,11 @@ def test_the_server_run_fits_a_step_scale_and_overheads_on_a_real_server() -> No
     fit = measure_server(resolve_model(None), "float32", 1, rough)
     print(fit)
     assert fit.num_steps >= 20  # 4 requests x 11 decode steps at c=1 alone give more
-    assert 0.05 < fit.step_scale < 20 and 0 <= fit.step_overhead_s < 1 and 0 <= fit.request_overhead_s < 2
+    # The rough model's shape is not this machine's (the fused decode layer makes small decode steps
+    # far cheaper than its c term says), so k may fall to 0 with g carrying the step time: the fit
+    # must explain the steps one way or the other, within sane bounds.
+    assert 0 <= fit.step_scale < 20 and 0 <= fit.step_overhead_s < 1 and 0 <= fit.request_overhead_s < 2
+    assert fit.step_scale > 0.05 or fit.step_overhead_s > 0.005
 
 
 def test_server_run_fit_reads_scale_overhead_and_request_overhead() -> None:
