@@ -129,3 +129,20 @@ def test_without_a_policy_a_dead_engine_stays_dead() -> None:
 def test_bad_policy_is_refused() -> None:
     with pytest.raises(ValueError):
         RestartPolicy(max_restarts=-1)
+
+
+def test_a_death_not_yet_reported_is_never_ok() -> None:
+    """kill -9 lands between two messages: the process is gone before the reader says so. /health
+    must not answer 200 for the old engine in that moment (the reliability suite once saw it)."""
+
+    async def go() -> None:
+        for policy, expected in ((RestartPolicy(backoff_base_s=0.01), "restarting"), (None, "failed")):
+            client = FlakyTransport(policy)
+            client.start()
+            await client.wait_ready(1)
+            assert client.state == "ok"
+            client.up = False  # dead, unreported
+            assert client.state == expected and not client.alive
+            await client.shutdown()
+
+    asyncio.run(go())

@@ -191,7 +191,13 @@ class EngineClient(abc.ABC):
             return "restarting"
         if self.error is not None:
             return "failed"
-        return "ok" if self.info is not None else "loading"
+        if self.info is None:
+            return "loading"
+        if not self._transport_alive():
+            # Dead, and the reader has not reported it yet (a kill -9 lands between two messages):
+            # never "ok" for the moment in between.
+            return "restarting" if self.restart_policy is not None and not self._stopping else "failed"
+        return "ok"
 
     @property
     def pid(self) -> int | None:
