@@ -40,7 +40,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet_compare import _end_group, free_port  # bench/, beside this script
-from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve
+from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve, wait_until
 from tokenline.bench.serve import wait_healthy as bench_wait_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -108,13 +108,6 @@ def wait_healthy(proc: Proc, timeout: float) -> None:
             from exc
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def metrics(url: str) -> list[tuple[str, dict[str, str], float]]:

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tokenline.bench.serve import wait_until  # noqa: F401 - the tests import it from here
+
 STARTUP_TIMEOUT_S = 120
 
 
@@ -110,10 +112,3 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
         yield running
 
 
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.1) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

@@ -23,7 +23,7 @@ import random
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -404,6 +404,16 @@ def load_tokenizer(tokenizer_dir: str | Path | None) -> Any:
     from tokenline.model.model_store import resolve_model
 
     return Tokenizer.from_dir(tokenizer_dir if tokenizer_dir is not None else resolve_model(None))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, interval: float = 0.1) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` s pass; its last answer (one more look at the end)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
 
 
 class ServerNotReady(RuntimeError):
