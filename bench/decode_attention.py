@@ -1,6 +1,6 @@
 """Decode attention against the memory-bandwidth bound, old kernel and new side by side.
 
-One query token per sequence over a paged bf16 KV cache of the default model's shape (SmolLM2-135M:
+One query token per sequence over a paged KV cache (bf16, or `--dtype float32`) of the default model's shape (SmolLM2-135M:
 9 query heads, 3 KV heads, head_dim 64, 16-token blocks scattered through the pool), for a grid of
 batch x context. Each timed pass runs every layer of a stack (separate caches, as the model's
 layers have) after streaming a buffer larger than the last-level cache, so the KV is read from
@@ -87,23 +87,24 @@ def torch_decode(q, k_cache, v_cache, tables, lens, max_len, scale):
 class Case:
     """``layers`` separate caches holding ``batch`` sequences of ``context`` tokens each, blocks shuffled."""
 
-    def __init__(self, batch: int, context: int, layers: int, seed: int) -> None:
+    def __init__(self, batch: int, context: int, layers: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> None:
         generator = torch.Generator().manual_seed(seed)
         width = math.ceil(context / BLOCK)
         num_blocks = batch * width + 8
         self.batch, self.context, self.width = batch, context, width
         self.lens = torch.full((batch,), context, dtype=torch.int64)
-        self.q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+        self.dtype = dtype
+        self.q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(dtype)
         self.layers = []
         for _ in range(layers):
-            kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+            kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
             tables = torch.randperm(num_blocks, generator=generator)[: batch * width].view(batch, width).contiguous()
             self.layers.append((kv[0], kv[1], tables))
 
     @property
     def kv_bytes(self) -> int:
-        """What one layer must read: K and V of every cached token (bf16)."""
-        return 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * 2
+        """What one layer must read: K and V of every cached token."""
+        return 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * self.dtype.itemsize
 
     def run(self, fn: Callable, layer: int) -> torch.Tensor:
         k_cache, v_cache, tables = self.layers[layer]
@@ -157,6 +158,8 @@ def main() -> None:
     parser.add_argument("--bandwidth-gbs", type=float, help="use this read bandwidth instead of measuring it")
     parser.add_argument("--baseline-rev", default=DEFAULT_BASELINE, help="git revision of the old C kernel")
     parser.add_argument("--no-torch", action="store_true", help="skip the gather + SDPA path")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="of the KV cache and queries (float32: what a CPU without native bf16 serves)")
     parser.add_argument("--threads", type=int, help="torch/OpenMP threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the results here as well")
     args = parser.parse_args()
@@ -195,9 +198,10 @@ def main() -> None:
     rows = []
     for cell in args.grid.split(","):
         batch, context = (int(x) for x in cell.lower().split("x"))
-        probe = Case(batch, context, 1, seed=0)
+        dtype = getattr(torch, args.dtype)
+        probe = Case(batch, context, 1, seed=0, dtype=dtype)
         layers = max(1, min(args.max_layers, cap // probe.kv_bytes))
-        case = Case(batch, context, layers, seed=batch * 1000 + context)
+        case = Case(batch, context, layers, seed=batch * 1000 + context, dtype=dtype)
         bound_s = case.kv_bytes / (gbs * 1e9)
         reference = case.run(paths["new"], 0).float()
         row = {"batch": batch, "context": context, "layers": layers, "kv_bytes": case.kv_bytes,

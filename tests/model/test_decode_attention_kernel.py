@@ -1,7 +1,7 @@
 """The C decode-attention kernel against a float64 reference, on the shapes that stress its paths:
 ragged contexts, GQA groups, block tables with holes and garbage in unused slots, context 1, tiles
 cut by block boundaries, split-K runs (few sequences) merged, and the builds without AVX512-BF16
-and without AVX-512 (the portable paths) on this same CPU."""
+and without AVX-512 (the 8-lane vector path an AVX2 CPU runs) on this same CPU."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def _check(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype, rtol
 
 SHAPES = [
     # heads, kv_heads, head_dim, block_size: the default model; GQA 4 and 1; MHA; head_dim 128, odd
-    # multiples of 16 (48, 80: no pair-interleaved values), 24 (portable path); blocks larger than
-    # the 16-token tile and smaller.
+    # multiples of 16 (48, 80: no pair-interleaved values), 24 (the 8-lane vector path on any CPU), 20
+    # (not a multiple of 8: the scalar path); blocks larger than the 16-token tile and smaller.
     (9, 3, 64, 16),
     (8, 2, 64, 32),
     (12, 1, 64, 8),
@@ -82,6 +82,7 @@ SHAPES = [
     (6, 3, 48, 16),
     (4, 2, 80, 4),
     (4, 2, 24, 8),
+    (4, 2, 20, 8),
 ]
 
 

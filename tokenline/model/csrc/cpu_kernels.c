@@ -22,6 +22,16 @@
 
 enum { TL_FLOAT32 = 0, TL_BFLOAT16 = 1 };
 
+/* Portable vectors (GCC vector extensions): AVX2 registers here, halves of AVX-512 ones or pairs of
+ * SSE ones where the build has those. */
+typedef float tl_v8 __attribute__((vector_size(32)));
+typedef float tl_v8u __attribute__((vector_size(32), aligned(4))); /* an unaligned load */
+typedef int32_t tl_v8i __attribute__((vector_size(32)));
+
+static inline float hsum8(tl_v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -467,6 +477,173 @@ static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q
 }
 #endif
 
+/* Vector path for any CPU (AVX2 where there is no AVX-512): one (sequence, KV head) per work item,
+ * its tokens in tiles of 8 with an online softmax, so K and V are each read once, in place. Eight
+ * partial dot products reduce into one vector of scores by a shuffle tree (no horizontal sum per
+ * token); bf16 rows are widened into a per-tile scratch first. */
+#define TL_V8_TILE 8
+#define TL_V8_MAX_NV 32     /* head_dim / 8 (head_dim <= 256) */
+#define TL_V8_MAX_VECS 512  /* query heads x head_dim / 8 in one work item (16 KB of accumulators) */
+#define TL_V8_MAX_HEADS 64
+
+static inline tl_v8 v8_select(tl_v8i mask, tl_v8 a, tl_v8 b) { /* mask ? a : b, lane by lane */
+    return (tl_v8)((mask & (tl_v8i)a) | (~mask & (tl_v8i)b));
+}
+
+/* Lane i of the result = the sum of v[i]'s lanes. */
+static inline tl_v8 reduce8(const tl_v8 v[8]) {
+    const tl_v8i even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const tl_v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const tl_v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    tl_v8 p[4], r[2];
+    for (int i = 0; i < 4; i++)
+        p[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++)
+        r[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo2) + __builtin_shuffle(p[2 * i], p[2 * i + 1], hi2);
+    return __builtin_shuffle(r[0], r[1], lo4) + __builtin_shuffle(r[0], r[1], hi4);
+}
+
+static inline tl_v8 v8_max(tl_v8 a, tl_v8 b) { return v8_select(a > b, a, b); }
+
+static inline float hmax8(tl_v8 v) {
+    v = v8_max(v, __builtin_shuffle(v, (tl_v8i){4, 5, 6, 7, 0, 1, 2, 3}));
+    v = v8_max(v, __builtin_shuffle(v, (tl_v8i){2, 3, 0, 1, 6, 7, 4, 5}));
+    return v[0] > v[1] ? v[0] : v[1];
+}
+
+/* exp(x) for x <= 0, eight at a time: exp_nonpositive's method (x below -87 gives ~1e-38, not 0). */
+static inline tl_v8 exp8_nonpositive(tl_v8 x) {
+    const tl_v8 floor_x = (tl_v8){0} - 87.0f;
+    x = v8_max(x, floor_x);
+    const tl_v8 t = x * 1.44269504088896341f;
+    const tl_v8i fi = __builtin_convertvector(t - 0.5f, tl_v8i); /* t <= 0: truncation rounds to nearest */
+    const tl_v8 f = (t - __builtin_convertvector(fi, tl_v8)) * 0.69314718055994531f;
+    tl_v8 p = (tl_v8){0} + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    return (tl_v8)((tl_v8i)p + (fi << 23));
+}
+
+static inline const float *v8_row(int dtype, const void *cache, int64_t index, int64_t Dh, float *scratch) {
+    if (dtype == TL_FLOAT32) return (const float *)cache + index;
+    load_row(cache, index, Dh, dtype, scratch);
+    return scratch;
+}
+
+static inline __attribute__((always_inline)) void attend_item_v8(
+    int dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
+    const int64_t *table, int64_t len, void *out, int64_t out_index, int64_t g0, int64_t kvn, const int64_t group,
+    int64_t block_size, int64_t token_stride, float scale) {
+    /* KV heads g0 .. g0+kvn of one sequence; query heads (g0 + g) * group + j are row g * group + j here. */
+    const int64_t Dh = nv * 8, heads = kvn * group;
+    tl_v8 qv[TL_V8_MAX_VECS], acc[TL_V8_MAX_VECS];
+    float m[TL_V8_MAX_HEADS], l[TL_V8_MAX_HEADS];
+    float qf[TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
+    float kt[TL_V8_TILE][TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
+    float vt[TL_V8_TILE][TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
+    for (int64_t h = 0; h < heads; h++) {
+        load_row(q, q_index + h * Dh, Dh, dtype, qf);
+        for (int64_t c = 0; c < nv; c++) {
+            qv[h * nv + c] = *(const tl_v8u *)(qf + 8 * c) * scale;
+            acc[h * nv + c] = (tl_v8){0};
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const tl_v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int64_t t0 = 0; t0 < len; t0 += TL_V8_TILE) {
+        const int64_t n = len - t0 < TL_V8_TILE ? len - t0 : TL_V8_TILE;
+        const tl_v8i valid = lane < (tl_v8i){0} + (int32_t)n;
+        int64_t base[TL_V8_TILE];
+        for (int64_t i = 0; i < TL_V8_TILE; i++) {
+            const int64_t t = t0 + (i < n ? i : 0);
+            base[i] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+        }
+        if (t0 + TL_V8_TILE < len) { /* the next tile's rows: blocks are scattered, so the prefetcher cannot guess them */
+            const int64_t t = t0 + TL_V8_TILE, bytes = kvn * Dh * (dtype == TL_FLOAT32 ? 4 : 2);
+            const int64_t first = (table[t / block_size] * block_size + t % block_size) * token_stride + g0 * Dh;
+            const int64_t rows = len - t < TL_V8_TILE ? len - t : TL_V8_TILE;
+            const int64_t in_block = block_size - t % block_size < rows ? block_size - t % block_size : rows;
+            for (int64_t i = 0; i < in_block; i++)
+                for (int64_t b = 0; b < bytes; b += 64) {
+                    const int64_t e = (first + i * token_stride) * (dtype == TL_FLOAT32 ? 4 : 2) + b;
+                    __builtin_prefetch((const char *)k_cache + e);
+                    __builtin_prefetch((const char *)v_cache + e);
+                }
+        }
+        for (int64_t g = 0; g < kvn; g++) {
+            const float *krow[TL_V8_TILE], *vrow[TL_V8_TILE];
+            for (int64_t i = 0; i < TL_V8_TILE; i++) {
+                krow[i] = v8_row(dtype, k_cache, base[i] + (g0 + g) * Dh, Dh, kt[i]);
+                vrow[i] = v8_row(dtype, v_cache, base[i] + (g0 + g) * Dh, Dh, vt[i]);
+            }
+            for (int64_t j = 0; j < group; j++) {
+                const int64_t h = g * group + j;
+                tl_v8 *ah = acc + h * nv;
+                tl_v8 qh[TL_V8_MAX_NV], part[TL_V8_TILE];
+                for (int64_t c = 0; c < nv; c++) qh[c] = qv[h * nv + c];
+                /* Eight independent chains (one a token), not one chain of nv dependent FMAs. */
+                for (int i = 0; i < TL_V8_TILE; i++) part[i] = qh[0] * *(const tl_v8u *)krow[i];
+                for (int64_t c = 1; c < nv; c++)
+                    for (int i = 0; i < TL_V8_TILE; i++) part[i] += qh[c] * *(const tl_v8u *)(krow[i] + 8 * c);
+                const tl_v8 s = v8_select(valid, reduce8(part), (tl_v8){0} - INFINITY);
+                const float mx = hmax8(s);
+                const float m_new = mx > m[h] ? mx : m[h];
+                const tl_v8 p = v8_select(valid, exp8_nonpositive(s - m_new), (tl_v8){0});
+                /* A local copy: the compiler cannot keep ah[] in registers while the rows it reads
+                 * might alias it. */
+                tl_v8 a[TL_V8_MAX_NV];
+                for (int64_t c = 0; c < nv; c++) a[c] = ah[c];
+                if (m_new > m[h]) {
+                    const float alpha = exp_nonpositive(m[h] - m_new);
+                    l[h] *= alpha;
+                    for (int64_t c = 0; c < nv; c++) a[c] *= alpha;
+                    m[h] = m_new;
+                }
+                l[h] += hsum8(p);
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t c = 0; c < nv; c++) a[c] += p[i] * *(const tl_v8u *)(vrow[i] + 8 * c);
+                for (int64_t c = 0; c < nv; c++) ah[c] = a[c];
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        const int64_t o = out_index + h * Dh;
+        for (int64_t c = 0; c < nv; c++) {
+            const tl_v8 r = acc[h * nv + c] * inv;
+            for (int i = 0; i < 8; i++) {
+                if (dtype == TL_BFLOAT16) ((uint16_t *)out)[o + 8 * c + i] = f32_to_bf16(r[i]);
+                else ((float *)out)[o + 8 * c + i] = r[i];
+            }
+        }
+    }
+}
+
+/* The common shapes with their loop bounds known to the compiler. */
+static void attend_item_v8_dispatch(int dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
+                                    const void *v_cache, const int64_t *table, int64_t len, void *out,
+                                    int64_t out_index, int64_t g0, int64_t kvn, int64_t group, int64_t block_size,
+                                    int64_t token_stride, float scale) {
+#define TL_V8_CASE(NV, G)                                                                                       \
+    case NV * 64 + G:                                                                                           \
+        attend_item_v8(dtype, NV, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, G,          \
+                       block_size, token_stride, scale);                                                        \
+        return;
+    switch (nv * 64 + group) {
+        TL_V8_CASE(8, 1) TL_V8_CASE(8, 2) TL_V8_CASE(8, 3) TL_V8_CASE(8, 4) TL_V8_CASE(8, 8)
+        TL_V8_CASE(16, 1) TL_V8_CASE(16, 2) TL_V8_CASE(16, 4) TL_V8_CASE(16, 8)
+    default:
+        attend_item_v8(dtype, nv, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, group,
+                       block_size, token_stride, scale);
+    }
+#undef TL_V8_CASE
+}
+
 /* Portable path: one (sequence, KV head) at a time, scores kept whole, two passes. */
 static void decode_attention_item_generic(int dtype, const void *q, int64_t q_index, const void *k_cache,
                                           const void *v_cache, const int64_t *table, int64_t len, void *out,
@@ -608,6 +785,21 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
         return;
     }
 #endif
+    if (Dh % 8 == 0 && Dh / 8 <= TL_V8_MAX_NV && group * (Dh / 8) <= TL_V8_MAX_VECS && group <= TL_V8_MAX_HEADS) {
+        /* A work item is a sequence's KV heads: all of them (each token's row streams whole) when
+         * there are sequences enough to keep every thread busy and their query vectors fit. */
+        const int64_t nv = Dh / 8;
+        const int kv_all = D >= 2 * omp_get_max_threads() && H * nv <= TL_V8_MAX_VECS && H <= TL_V8_MAX_HEADS;
+        const int64_t kvn = kv_all ? KVH : 1, kv_items = KVH / kvn;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t item = 0; item < D * kv_items; item++) {
+            const int64_t d = item / kv_items, g0 = item % kv_items * kvn;
+            attend_item_v8_dispatch(dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
+                                    tables + d * width, lens[d], out, (d * H + g0 * group) * Dh, g0, kvn, group,
+                                    block_size, token_stride, scale);
+        }
+        return;
+    }
 #pragma omp parallel
     {
         /* Per-thread scratch: scores [group, max_len], query and accumulator rows, one K/V row. */
@@ -814,13 +1006,6 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * GCC vector extensions compile to AVX2 or AVX-512 as the build allows).
  */
 #define TL_LAYER_MAX_ROWS 4
-
-typedef float tl_v8 __attribute__((vector_size(32)));
-typedef float tl_v8u __attribute__((vector_size(32), aligned(4))); /* an unaligned load */
-
-static inline float hsum8(tl_v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 /* y[m, n0 .. n0+NT) (+)= x[m] . w[n] for the M rows: NT weight rows stream once, M * NT
  * accumulator vectors stay in registers. `accumulate`: add into y (a residual) instead of storing. */
