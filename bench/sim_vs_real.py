@@ -42,7 +42,7 @@ from tokenline.sim.replicas import FleetConfig, simulate_replicas  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
 from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
-from tokenline.sim.step_model import StepFeatures, StepModel  # noqa: E402
+from tokenline.sim.step_model import StepModel  # noqa: E402
 
 TOKENLINE = [sys.executable, "-m", "tokenline.cli"]
 KEYS = ("p50_ttft_ms", "p50_tpot_ms", "p50_e2e_ms")
@@ -137,10 +137,13 @@ def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[di
     m, g = served, profile.step_overhead_s
     busy = busy_steps(steps)
     decode = statistics.median(w / (m.predict(f) + g) for f, w in busy if f.prefill_tokens == 0)
-    prefill_rows = [(w - decode * (m.predict(StepFeatures(0, f.decode_seqs, f.attended_context_tokens)) + g))
+    # What is not the prefill tokens' own b·P in a mixed step (its decode rows, context, the unfused
+    # step's price) runs at the decode factor.
+    prefill_rows = [(w - decode * (m.predict(f) - m.b * f.prefill_tokens + g))
                     / (m.b * f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0]
     prefill = statistics.median(prefill_rows) if prefill_rows and m.b > 0 else decode
-    model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode)
+    model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode,
+                      m.f * decode)
     at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})
     return workload.simulate(at_speed, seed), decode, prefill
 

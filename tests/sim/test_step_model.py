@@ -13,14 +13,14 @@ from tokenline.sim.step_model import StepFeatures, StepModel, batch_features, fi
 
 def test_fit_recovers_known_coefficients_from_noisy_synthetic_steps() -> None:
     # a decode batch that costs less per sequence as it grows: the log term
-    truth = StepModel(a=0.004, b=0.0012, c=0.0007, d=2.5e-6, e=0.02)
+    truth = StepModel(a=0.004, b=0.0012, c=0.0007, d=2.5e-6, e=0.02, f=0.025)
     rng = random.Random(7)
     features = [
         StepFeatures(rng.choice([0, 0, 16, 128, 512]), rng.randint(0, 32), rng.randint(0, 20_000)) for _ in range(200)
     ]
     durations = [truth.predict(f) + rng.gauss(0, 1e-4) for f in features]  # timer noise: 0.1 ms
     fit = fit_step_model(features, durations)
-    for name in ("a", "b", "c", "d", "e"):
+    for name in ("a", "b", "c", "d", "e", "f"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
     assert 0.5e-4 < fit.residual_rms_s < 2e-4
 
@@ -29,7 +29,7 @@ def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_ne
     truth = StepModel(a=0.04, b=0.003, c=0.012, d=7e-6)
     rng = random.Random(1)
     features = [StepFeatures(rng.choice([0, 0, 32, 128, 384]), rng.randint(0, 8), rng.randint(30, 2500))
-                for _ in range(70)]
+                for _ in range(140)]
     # one step in five ran 1.5-4x slower: a shared machine
     durations = [truth.predict(f) * (1 + (rng.random() < 0.2) * rng.uniform(0.5, 3)) + rng.gauss(0, 0.002)
                  for f in features]
@@ -44,7 +44,8 @@ def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_ne
 
 def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
     truth = StepModel(a=0.01, b=0.002, c=0.003, d=1e-5)
-    features = [StepFeatures(p, s, c) for p, s, c in [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50)]]
+    features = [StepFeatures(p, s, c) for p, s, c in
+                [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50), (0, 3, 40)]]
     fit = fit_step_model(features, [truth.predict(f) for f in features])
     assert fit.residual_rms_s == pytest.approx(0.0, abs=1e-12)
     assert fit.c == pytest.approx(0.003, rel=1e-6)
@@ -52,10 +53,10 @@ def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
 
 
 def test_fit_needs_as_many_steps_as_coefficients() -> None:
-    with pytest.raises(ValueError, match="at least 5"):
-        fit_step_model([StepFeatures(1, 0, 1)] * 3, [0.1] * 3)
+    with pytest.raises(ValueError, match="at least 6"):
+        fit_step_model([StepFeatures(1, 0, 1)] * 5, [0.1] * 5)
     with pytest.raises(ValueError, match="durations"):
-        fit_step_model([StepFeatures(1, 0, 1)] * 5, [0.1] * 4)
+        fit_step_model([StepFeatures(1, 0, 1)] * 6, [0.1] * 5)
 
 
 def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() -> None:
@@ -70,3 +71,21 @@ def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() 
         ScheduledSeq("d", [7], 104, [], True, params, prompt_token_ids=prompt, output_token_ids=[1, 2, 3, 4, 5]),
     ])
     assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105)
+
+
+def test_the_fused_decode_regime_has_its_own_step_price() -> None:
+    """Pure decode steps of up to FUSED_DECODE_ROWS rows run the engine's one-call layer; anything
+    else pays the torch operators' dispatch (f). The boundary is the engine's own."""
+    from tokenline.model.decoder import FUSED_DECODE_ROWS as ENGINE_ROWS
+    from tokenline.sim.step_model import FUSED_DECODE_ROWS
+
+    assert FUSED_DECODE_ROWS == ENGINE_ROWS
+    assert [StepFeatures(0, n, 10).unfused for n in (0, 1, 4, 5, 32)] == [1, 0, 0, 1, 1]
+    assert StepFeatures(16, 1, 10).unfused == 1  # a prefill chunk beside one decode row
+    # Synthetic steps where batch 4 costs 30 ms and batch 5 costs 60 ms: a smooth curve alone misfits
+    # both sides of the jump, the term takes it.
+    truth = StepModel(a=0.005, b=0.001, c=0.004, d=1e-6, e=0.0, f=0.025)
+    features = [StepFeatures(p, n, 100 * n) for p in (0, 0, 32) for n in range(1, 17)]
+    fit = fit_step_model(features, [truth.predict(f) for f in features])
+    assert fit.f == pytest.approx(0.025, rel=1e-6) and fit.residual_rms_s < 1e-9
+    assert fit.predict(StepFeatures(0, 5, 500)) - fit.predict(StepFeatures(0, 4, 400)) == pytest.approx(0.025 + 0.004 + 1e-4)

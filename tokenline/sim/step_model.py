@@ -1,9 +1,12 @@
 """The step-time model: step_s = a + b·prefill_tokens + c·decode_seqs + e·log2(1 + decode_seqs)
-+ d·attended_context_tokens.
++ d·attended_context_tokens + f·[off the fused path].
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
-keeps what grows with the batch at any size.
+keeps what grows with the batch at any size. The last is a step's price for leaving the engine's
+one-call decode layer (any prefill, or more than ``FUSED_DECODE_ROWS`` decode rows: the torch
+operators' dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both regimes put
+small-batch multi-turn decode steps 23-39 % too slow.
 
 Fitted by least squares on step records of the real engine (``calibrate``), and used by the
 simulator's runner to advance its clock (``simulate``).
@@ -19,6 +22,9 @@ import numpy as np
 
 from tokenline.model.batch import ScheduledBatch
 
+# tokenline.model.decoder.FUSED_DECODE_ROWS (the model package imports torch; this one must not).
+FUSED_DECODE_ROWS = 4
+
 
 @dataclass(frozen=True)
 class StepFeatures:
@@ -27,6 +33,11 @@ class StepFeatures:
     prefill_tokens: int
     decode_seqs: int
     attended_context_tokens: int  # per sequence, every position its new tokens attend to (the KV read)
+
+    @property
+    def unfused(self) -> int:
+        """1 when the engine runs this step through torch operators, not its one-call decode layer."""
+        return int(self.prefill_tokens > 0 or not 0 < self.decode_seqs <= FUSED_DECODE_ROWS)
 
 
 @dataclass(frozen=True)
@@ -37,16 +48,17 @@ class StepModel:
     d: float  # seconds per attended context token
     residual_rms_s: float = 0.0  # root-mean-square error of the fit on its own records
     e: float = 0.0  # seconds per log2(1 + decoding sequences)
+    f: float = 0.0  # seconds per step off the fused decode path (0 in profiles written before it)
 
     def predict(self, f: StepFeatures) -> float:
         # A negative coefficient fitted on noise must never make time run backwards.
         return max(0.0, self.a + self.b * f.prefill_tokens + self.c * f.decode_seqs
-                   + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens)
+                   + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens + self.f * f.unfused)
 
     def scaled(self, factor: float) -> StepModel:
         """Every coefficient times ``factor`` (the model is linear in them)."""
         return StepModel(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.residual_rms_s,
-                         self.e * factor)
+                         self.e * factor, self.f * factor)
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
@@ -65,21 +77,21 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float]) -> StepModel:
-    """Least-squares fit of the five coefficients to measured step times, robust to a shared machine:
+    """Least-squares fit of the six coefficients to measured step times, robust to a shared machine:
     no coefficient below zero (no feature makes a step faster), and steps more than 3 scaled MADs off
     the fit (another process took the core) are left out and the rest refitted. ``residual_rms_s`` is
     over the steps kept."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
-    if len(features) < 5:
-        raise ValueError(f"need at least 5 steps to fit 5 coefficients, got {len(features)}")
-    x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens]
-                  for f in features])
+    if len(features) < 6:
+        raise ValueError(f"need at least 6 steps to fit 6 coefficients, got {len(features)}")
+    x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
+                   f.unfused] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
     coef, keep = robust_lstsq(x, y)
     rms = float(np.sqrt(np.mean((x[keep] @ coef - y[keep]) ** 2)))
-    a, b, c, e, d = (float(v) for v in coef)
-    return StepModel(a, b, c, d, rms, e)
+    a, b, c, e, d, off = (float(v) for v in coef)
+    return StepModel(a, b, c, d, rms, e, off)
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
