@@ -6,21 +6,21 @@ import random
 
 import pytest
 
-from tokenline.model.batch import ScheduledBatch, ScheduledSeq, prefill_pairs
+from tokenline.model.batch import ScheduledBatch, ScheduledSeq
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.step_model import StepFeatures, StepModel, batch_features, fit_step_model
 
 
 def test_fit_recovers_known_coefficients_from_noisy_synthetic_steps() -> None:
     # a decode batch that costs less per sequence as it grows: the log term
-    truth = StepModel(a=0.004, b=0.0012, c=0.0007, d=2.5e-6, e=0.02, f=0.025, p=3e-8)
+    truth = StepModel(a=0.004, b=0.0012, c=0.0007, d=2.5e-6, e=0.02, f=0.025)
     rng = random.Random(7)
-    prompts = [rng.choice([0, 0, 16, 128, 512]) for _ in range(200)]
-    features = [StepFeatures(n, rng.randint(0, 32), rng.randint(0, 20_000), prefill_pairs(rng.randint(0, 512), n))
-                for n in prompts]
+    features = [
+        StepFeatures(rng.choice([0, 0, 16, 128, 512]), rng.randint(0, 32), rng.randint(0, 20_000)) for _ in range(200)
+    ]
     durations = [truth.predict(f) + rng.gauss(0, 1e-4) for f in features]  # timer noise: 0.1 ms
     fit = fit_step_model(features, durations)
-    for name in ("a", "b", "c", "d", "e", "f", "p"):
+    for name in ("a", "b", "c", "d", "e", "f"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
     assert 0.5e-4 < fit.residual_rms_s < 2e-4
 
@@ -37,7 +37,7 @@ def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_ne
     assert fit.a == pytest.approx(0.04, rel=0.1) and fit.b == pytest.approx(0.003, rel=0.05)
     assert fit.c == pytest.approx(0.012, rel=0.1) and fit.residual_rms_s < 0.004
     # decode sequences that cost nothing measurable: c is 0, not a negative speed-up
-    flat = [StepFeatures(p, s, 0) for p, s in [(0, 1), (64, 0), (0, 8), (128, 4), (16, 2), (0, 3), (32, 6)]]
+    flat = [StepFeatures(p, s, 0) for p, s in [(0, 1), (64, 0), (0, 8), (128, 4), (16, 2), (0, 3)]]
     fit = fit_step_model(flat, [0.01 + 0.002 * f.prefill_tokens - 1e-4 * f.decode_seqs for f in flat])
     assert fit.c == 0.0 and min(fit.a, fit.b, fit.d) >= 0.0
 
@@ -45,7 +45,7 @@ def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_ne
 def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
     truth = StepModel(a=0.01, b=0.002, c=0.003, d=1e-5)
     features = [StepFeatures(p, s, c) for p, s, c in
-                [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50), (0, 3, 40), (256, 0, 300)]]
+                [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50), (0, 3, 40)]]
     fit = fit_step_model(features, [truth.predict(f) for f in features])
     assert fit.residual_rms_s == pytest.approx(0.0, abs=1e-12)
     assert fit.c == pytest.approx(0.003, rel=1e-6)
@@ -53,10 +53,10 @@ def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
 
 
 def test_fit_needs_as_many_steps_as_coefficients() -> None:
-    with pytest.raises(ValueError, match="at least 7"):
-        fit_step_model([StepFeatures(1, 0, 1)] * 6, [0.1] * 6)
+    with pytest.raises(ValueError, match="at least 6"):
+        fit_step_model([StepFeatures(1, 0, 1)] * 5, [0.1] * 5)
     with pytest.raises(ValueError, match="durations"):
-        fit_step_model([StepFeatures(1, 0, 1)] * 7, [0.1] * 6)
+        fit_step_model([StepFeatures(1, 0, 1)] * 6, [0.1] * 5)
 
 
 def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() -> None:
@@ -70,9 +70,7 @@ def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() 
         # decoding: one token past a 100-token prompt with 5 outputs
         ScheduledSeq("d", [7], 104, [], True, params, prompt_token_ids=prompt, output_token_ids=[1, 2, 3, 4, 5]),
     ])
-    # query-key pairs: 64 tokens after 32 (33 .. 96 keys each), 1 after 99 (100 keys)
-    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105,
-                                                 prefill_pairs=sum(range(33, 97)) + 100)
+    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105)
 
 
 def test_the_fused_decode_regime_has_its_own_step_price() -> None:

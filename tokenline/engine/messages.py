@@ -126,9 +126,6 @@ class StepRecord:
     num_preemptions: int = 0  # requests preempted while forming this step's batch
     num_draft_tokens: int = 0  # of the decode tokens, speculative drafts being verified
     num_context_tokens: int = 0  # per sequence, every position its new tokens attend to (the KV read)
-    # (query, key) pairs of the prefill tokens: a chunk of n tokens after s cached ones attends
-    # n·s + n(n+1)/2 of them, so its attention work grows with the square of its length.
-    num_prefill_pairs: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -71,13 +71,6 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
-def prefill_pairs(start_pos: int, num_tokens: int) -> int:
-    """(query, key) pairs a causal chunk of ``num_tokens`` after ``start_pos`` cached ones attends:
-    token i (from 0) sees start_pos + i + 1 keys. A step's attention work, where the KV read is
-    ``start_pos + num_tokens``."""
-    return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
-
-
 @dataclass
 class SampledToken:
     token_id: int  # sampled after the last known token

@@ -1,14 +1,12 @@
 """The step-time model: step_s = a + b·prefill_tokens + c·decode_seqs + e·log2(1 + decode_seqs)
-+ d·attended_context_tokens + p·prefill_pairs + f·[off the fused path].
++ d·attended_context_tokens + f·[off the fused path].
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
 keeps what grows with the batch at any size. The last is a step's price for leaving the engine's
 one-call decode layer (any prefill, or more than ``FUSED_DECODE_ROWS`` decode rows: the torch
 operators' dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both regimes put
-small-batch multi-turn decode steps 23-39 % too slow. ``p`` prices a prefill chunk's attention,
-which grows with the square of its length (512-token prompts' TTFT came out 12-13 % optimistic
-with the KV read alone).
+small-batch multi-turn decode steps 23-39 % too slow.
 
 Fitted by least squares on step records of the real engine (``calibrate``), and used by the
 simulator's runner to advance its clock (``simulate``).
@@ -22,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenline.model.batch import ScheduledBatch, prefill_pairs
+from tokenline.model.batch import ScheduledBatch
 
 # tokenline.model.decoder.FUSED_DECODE_ROWS (the model package imports torch; this one must not).
 FUSED_DECODE_ROWS = 4
@@ -35,7 +33,6 @@ class StepFeatures:
     prefill_tokens: int
     decode_seqs: int
     attended_context_tokens: int  # per sequence, every position its new tokens attend to (the KV read)
-    prefill_pairs: int = 0  # (query, key) pairs of the prefill tokens (``batch.prefill_pairs``)
 
     @property
     def unfused(self) -> int:
@@ -52,23 +49,22 @@ class StepModel:
     residual_rms_s: float = 0.0  # root-mean-square error of the fit on its own records
     e: float = 0.0  # seconds per log2(1 + decoding sequences)
     f: float = 0.0  # seconds per step off the fused decode path (0 in profiles written before it)
-    p: float = 0.0  # seconds per prefill (query, key) pair (likewise)
 
     def predict(self, f: StepFeatures) -> float:
         # A negative coefficient fitted on noise must never make time run backwards.
         return max(0.0, self.a + self.b * f.prefill_tokens + self.c * f.decode_seqs
-                   + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens + self.p * f.prefill_pairs + self.f * f.unfused)
+                   + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens + self.f * f.unfused)
 
     def scaled(self, factor: float) -> StepModel:
         """Every coefficient times ``factor`` (the model is linear in them)."""
         return StepModel(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.residual_rms_s,
-                         self.e * factor, self.f * factor, self.p * factor)
+                         self.e * factor, self.f * factor)
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
     """The features of a scheduled batch: a sequence computing one token past its prompt decodes
     (drafts beside it count as prefill tokens here); any other chunk is prefill."""
-    prefill = decode = context = pairs = 0
+    prefill = decode = context = 0
     for seq in batch.seqs:
         n = len(seq.token_ids)
         if n - len(seq.draft_token_ids) == 1 and seq.start_pos >= len(seq.prompt_token_ids):
@@ -76,27 +72,26 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
             prefill += len(seq.draft_token_ids)
         else:
             prefill += n
-            pairs += prefill_pairs(seq.start_pos, n)
         context += seq.start_pos + n
-    return StepFeatures(prefill, decode, context, pairs)
+    return StepFeatures(prefill, decode, context)
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float]) -> StepModel:
-    """Least-squares fit of the seven coefficients to measured step times, robust to a shared machine:
+    """Least-squares fit of the six coefficients to measured step times, robust to a shared machine:
     no coefficient below zero (no feature makes a step faster), and steps more than 3 scaled MADs off
     the fit (another process took the core) are left out and the rest refitted. ``residual_rms_s`` is
     over the steps kept."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
-    if len(features) < 7:
-        raise ValueError(f"need at least 7 steps to fit 7 coefficients, got {len(features)}")
+    if len(features) < 6:
+        raise ValueError(f"need at least 6 steps to fit 6 coefficients, got {len(features)}")
     x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
-                   f.unfused, f.prefill_pairs] for f in features])
+                   f.unfused] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
     coef, keep = robust_lstsq(x, y)
     rms = float(np.sqrt(np.mean((x[keep] @ coef - y[keep]) ** 2)))
-    a, b, c, e, d, off, pair = (float(v) for v in coef)
-    return StepModel(a, b, c, d, rms, e, off, pair)
+    a, b, c, e, d, off = (float(v) for v in coef)
+    return StepModel(a, b, c, d, rms, e, off)
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
