@@ -148,6 +148,12 @@ void tl_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M
  * Query head h reads KV head h / (H / KVH), as grouped-query attention does.
  */
 
+/* exp(f) for f in [-ln2/2, ln2/2], degree 6 (Horner): one definition for a float, a tl_v8 and an
+ * __m512 (GCC's vector arithmetic takes all three; it contracts each step into an FMA). */
+#define TL_EXP_POLY(f)                                                                                     \
+    ((((((1.0f / 720.0f * (f) + 1.0f / 120.0f) * (f) + 1.0f / 24.0f) * (f) + 1.0f / 6.0f) * (f) + 0.5f) * (f) + \
+      1.0f) * (f) + 1.0f)
+
 /* exp for x <= 0 (softmax after subtracting the max), vectorisable: 2^(x log2 e) split into an
  * integer power and a degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7. */
 static inline float exp_nonpositive(float x) {
@@ -155,13 +161,7 @@ static inline float exp_nonpositive(float x) {
     const float t = x * 1.44269504088896341f;
     const float fi = floorf(t + 0.5f);
     const float f = (t - fi) * 0.69314718055994531f;
-    float p = 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
+    float p = TL_EXP_POLY(f);
     int32_t bits;
     memcpy(&bits, &p, sizeof bits);
     bits += (int32_t)fi << 23;
@@ -200,14 +200,7 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, fi), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, fi);
+    return _mm512_scalef_ps(TL_EXP_POLY(f), fi);
 }
 
 /* Lane t of the result is the sum of v[t]'s 16 lanes: one transpose-and-add tree for 16 tokens
@@ -518,14 +511,7 @@ static inline tl_v8 exp8_nonpositive(tl_v8 x) {
     const tl_v8 t = x * 1.44269504088896341f;
     const tl_v8i fi = __builtin_convertvector(t - 0.5f, tl_v8i); /* t <= 0: truncation rounds to nearest */
     const tl_v8 f = (t - __builtin_convertvector(fi, tl_v8)) * 0.69314718055994531f;
-    tl_v8 p = (tl_v8){0} + 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    return (tl_v8)((tl_v8i)p + (fi << 23));
+    return (tl_v8)((tl_v8i)TL_EXP_POLY(f) + (fi << 23));
 }
 
 static inline const float *v8_row(int dtype, const void *cache, int64_t index, int64_t Dh, float *scratch) {
