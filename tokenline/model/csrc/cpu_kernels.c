@@ -470,10 +470,11 @@ static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q
 }
 #endif
 
-/* Vector path for any CPU (AVX2 where there is no AVX-512): one (sequence, KV head) per work item,
- * its tokens in tiles of 8 with an online softmax, so K and V are each read once, in place. Eight
- * partial dot products reduce into one vector of scores by a shuffle tree (no horizontal sum per
- * token); bf16 rows are widened into a per-tile scratch first. */
+/* Vector path for any CPU (AVX2 where there is no AVX-512): a work item is one sequence's KV heads
+ * (all of them when there are sequences enough for every thread, so each token's row streams
+ * whole; else one), its tokens in tiles of 8 with an online softmax, so K and V are each read once,
+ * in place, the next tile prefetched. Eight partial dot products reduce into one vector of scores
+ * by a shuffle tree (no horizontal sum per token); bf16 rows are widened into a per-tile scratch. */
 #define TL_V8_TILE 8
 #define TL_V8_MAX_NV 32     /* head_dim / 8 (head_dim <= 256) */
 #define TL_V8_MAX_VECS 512  /* query heads x head_dim / 8 in one work item (16 KB of accumulators) */
