@@ -140,8 +140,8 @@ def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[di
     # What is not the prefill tokens' own b·P in a mixed step (its decode rows, context, the unfused
     # step's price) runs at the decode factor.
     prefill_rows = [(w - decode * (m.predict(f) - m.b * f.prefill_tokens + g))
-                    / (m.b * f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0]
-    prefill = statistics.median(prefill_rows) if prefill_rows and m.b > 0 else decode
+                    / (m.b * f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0] if m.b > 0 else []
+    prefill = statistics.median(prefill_rows) if prefill_rows else decode
     model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode,
                       m.f * decode)
     at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})

@@ -75,11 +75,7 @@ def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() 
 
 def test_the_fused_decode_regime_has_its_own_step_price() -> None:
     """Pure decode steps of up to FUSED_DECODE_ROWS rows run the engine's one-call layer; anything
-    else pays the torch operators' dispatch (f). The boundary is the engine's own."""
-    from tokenline.model.decoder import FUSED_DECODE_ROWS as ENGINE_ROWS
-    from tokenline.sim.step_model import FUSED_DECODE_ROWS
-
-    assert FUSED_DECODE_ROWS == ENGINE_ROWS
+    else pays the torch operators' dispatch (f)."""
     assert [StepFeatures(0, n, 10).unfused for n in (0, 1, 4, 5, 32)] == [1, 0, 0, 1, 1]
     assert StepFeatures(16, 1, 10).unfused == 1  # a prefill chunk beside one decode row
     # Synthetic steps where batch 4 costs 30 ms and batch 5 costs 60 ms: a smooth curve alone misfits

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+# Decode batches up to this many rows run the one-call layer kernel (measured on the default model:
+# README, "Dispatch at small batches"). Here, not in the decoder, so the torch-free simulator prices
+# the same boundary the engine takes.
+FUSED_DECODE_ROWS = 4
+
 
 @dataclass
 class TokenLogprobs:

@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata
+from tokenline.model.batch import FUSED_DECODE_ROWS
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import Cache, CausalLM
 from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding, RotaryRows
@@ -32,9 +33,6 @@ def _fused_decode_rows_default() -> int:
     rows = int(os.environ.get("TOKENLINE_FUSED_DECODE_ROWS", str(FUSED_DECODE_ROWS)))
     return max(0, min(rows, cpu_kernels.DECODE_LAYER_MAX_ROWS))
 
-
-# Measured on the default model (README, "Dispatch at small batches"): the fused layer wins up to here.
-FUSED_DECODE_ROWS = 4
 # The kernels, every layer's weights as the fused kernel reads them, and one scratch buffer.
 FusedLayers = tuple[cpu_kernels.CpuKernels, list[cpu_kernels.DecodeLayerWeights], torch.Tensor]
 

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenline.model.batch import ScheduledBatch
-
-# tokenline.model.decoder.FUSED_DECODE_ROWS (the model package imports torch; this one must not).
-FUSED_DECODE_ROWS = 4
+from tokenline.model.batch import FUSED_DECODE_ROWS, ScheduledBatch
 
 
 @dataclass(frozen=True)
