@@ -68,6 +68,15 @@ def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
     assert s.engine.prefix_cache_fills_pool  # the prefix cache keeps the pool unless asked otherwise
 
 
+def test_quantization_reaches_the_engine(default_model_dir: Path) -> None:
+    s, idle = settings(default_model_dir, "--quantization", "q4_1")
+    assert s.engine.quantization == "q4_1" and idle == []
+    s, _ = settings(default_model_dir, "-q", "q8_0")
+    assert s.engine.quantization == "q8_0"
+    args = build_parser().parse_args(["bench", "throughput", "-q", "q4_1"])
+    assert args.quantization == "q4_1"
+
+
 def test_prefix_cache_fills_pool_reaches_the_engine(default_model_dir: Path) -> None:
     s, idle = settings(default_model_dir, "--prefix-cache-fills-pool")
     assert s.engine.prefix_cache_fills_pool and idle == []

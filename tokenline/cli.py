@@ -29,9 +29,15 @@ if TYPE_CHECKING:
     from tokenline.router.ray_serve import RayServeSettings
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named like vLLM's."""
+def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) -> None:
+    """Engine flags, named like vLLM's. ``quantization=False``: serve takes ``--quantization`` with
+    vLLM's other flags (serve_args.VLLM_FLAGS, where other methods are refused by name)."""
+    from tokenline.model.quantization import QUANTIZATIONS
+
     d = EngineConfig()
+    if quantization:
+        parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                            help="weight-only quantization of the linear layers to ggml's blocks (the head Q8_0)")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations dtype (auto = bfloat16)")
     parser.add_argument("--device", default=d.device)
@@ -105,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         suffix_decoding_max_tree_depth=args.suffix_decoding_max_tree_depth,
         suffix_decoding_max_spec_factor=args.suffix_decoding_max_spec_factor,
         suffix_decoding_min_token_prob=args.suffix_decoding_min_token_prob,
+        quantization=getattr(args, "quantization", None),
         **(parse_kv_events_config(args.kv_events_config) if getattr(args, "kv_events_config", None) else {}),
     )
 
@@ -666,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache blocks (overrides --kv-cache-memory)")
     add_ray_args(p)
     add_routing_args(p)
-    add_engine_args(p)
+    add_engine_args(p, quantization=False)
     add_vllm_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -43,10 +43,12 @@ def _positive(flag: str) -> Callable[[Any], str | None]:
 
 
 def _refuse_quantization(value: Any) -> str | None:
-    if value is None:
+    from tokenline.model.quantization import QUANTIZATIONS
+
+    if value is None or value in QUANTIZATIONS:
         return None
-    return (f"quantization {value!r} is not supported: tokenline runs weights in --dtype (a .gguf file is "
-            "dequantized when imported)")
+    return (f"quantization {value!r} is not supported: tokenline quantizes weights only to ggml's blocks "
+            f"({', '.join(QUANTIZATIONS)})")
 
 
 def _refuse_kv_cache_dtype(value: Any) -> str | None:
@@ -163,8 +165,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--distributed-executor-backend",), LIMITED,
              "one engine process: mp / uni change nothing, ray is refused",
              {"choices": ["mp", "uni", "ray", "external_launcher"]}, refuse=_refuse_executor, idle=lambda v: True),
-    VllmFlag(("--quantization", "-q"), LIMITED, "refused: weights run in --dtype (GGUF is dequantized on import)",
-             refuse=_refuse_quantization),
+    VllmFlag(("--quantization", "-q"), LIMITED,
+             "q4_1 or q8_0: weight-only quantization in ggml's blocks (the head Q8_0), read in place by our "
+             "kernels; a GGUF's own Q4_1 blocks for the default model; other methods refused",
+             refuse=_refuse_quantization, idle=lambda v: False),
     VllmFlag(("--kv-cache-dtype",), LIMITED, "auto only: the KV cache is kept in --dtype",
              refuse=_refuse_kv_cache_dtype, idle=lambda v: False),
     VllmFlag(("--max-logprobs",), LIMITED, "top logprobs are capped at 20 (OpenAI's limit): a lower cap is not enforced, a higher one refused",

@@ -65,7 +65,9 @@ TOKENLINE = VENV_BIN / "tokenline"
 PEERS_DIR = Path(os.environ.get("TOKENLINE_PEERS_DIR", "/tmp/tokenline-peers"))
 # tokenline-ngram: tokenline with n-gram speculative decoding (vLLM has it too but runs without it
 # here); reported beside, never instead of, plain tokenline.
-SYSTEMS = ("tokenline", "tokenline-ngram", "llamacpp", "vllm")
+# tokenline-q4_1: the linear layers served from the GGUF's own Q4_1 blocks (--quantization q4_1), the
+# weights llama.cpp serves from that file.
+SYSTEMS = ("tokenline", "tokenline-ngram", "tokenline-q4_1", "llamacpp", "vllm")
 
 INPUT_LEN = 256
 OUTPUT_LEN = 128
@@ -206,11 +208,15 @@ def gguf_path() -> str:
 def make_system(name: str, port: int, threads: int, repack: bool = False) -> System:
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "tokenline":
-        return System(name, [str(TOKENLINE), "serve", *host], model_note="HF dir, bfloat16 (default dtype)",
+        return System(name, [str(TOKENLINE), "serve", *host], model_note="HF dir, --dtype auto",
                       version=_git_version())
     if name == "tokenline-ngram":
         return System(name, [str(TOKENLINE), "serve", *host, "--speculative", "ngram"],
-                      model_note="HF dir, bfloat16, --speculative ngram", version=_git_version())
+                      model_note="HF dir, --dtype auto, --speculative ngram", version=_git_version())
+    if name == "tokenline-q4_1":
+        return System(name, [str(TOKENLINE), "serve", *host, "--quantization", "q4_1"],
+                      model_note="--quantization q4_1 (the GGUF's Q4_1 blocks, head Q8_0), float32 activations",
+                      version=_git_version())
     if name == "vllm":
         venv = PEERS_DIR / "vllm" / "venv"
         if not (PEERS_DIR / "vllm" / "installed").exists():

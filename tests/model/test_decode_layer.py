@@ -106,6 +106,31 @@ def test_fused_layer_matches_torch_layer(rows: int, shape: tuple[int, ...]) -> N
     assert ((got - x) - expected).abs().max() > 1e-1
 
 
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("shape", [(576, 1536, 9, 3, 64), (96, 160, 3, 1, 32)])
+def test_fused_layer_reads_quantized_blocks_like_the_torch_layer(fmt: str, rows: int, shape: tuple[int, ...]) -> None:
+    """--quantization: the one-call layer reads the same blocks the torch layer's linears do."""
+    config = _config(*shape)
+    generator = torch.Generator().manual_seed(rows + shape[0])
+    layer = _random_layer(config, generator)
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.quantize_(fmt)
+    weights = layer.decode_weights()
+    assert weights is not None and weights.fmt == {"q4_1": 1, "q8_0": 2}[fmt]
+    weights.check()
+    x, positions, kv, meta = _decode_step(config, rows, generator)
+    cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.float32)
+    kv_torch, kv_fused = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
+        got = _fused(layer, x, cos_sin, kv_fused, meta)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)
+    assert ((got - x) - expected).abs().max() > 1e-1  # the residual matters at this tolerance
+
+
 def test_only_plain_float32_layers_take_the_fused_path() -> None:
     config = _config(64, 96, 4, 2, 16)
     assert _random_layer(config, torch.Generator().manual_seed(0)).decode_weights() is not None

@@ -24,6 +24,8 @@ GIB = 1 << 30
 class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
+    # Weight-only quantization of the linear layers to ggml's blocks: "q4_1" or "q8_0" (None: --dtype).
+    quantization: str | None = None
     block_size: int = 16
     kv_cache_memory_gib: float = 2.0  # like vLLM's VLLM_CPU_KVCACHE_SPACE
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests use tiny pools)
@@ -97,6 +99,8 @@ class EngineConfig:
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         check_suffix_settings(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth,
                               self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob)
+        if self.quantization not in (None, "q4_1", "q8_0"):
+            raise ValueError(f"quantization must be 'q4_1', 'q8_0' or unset, got {self.quantization!r}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
@@ -202,7 +206,8 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
                         model_config.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, config.device)
     mtp_tokens = config.num_speculative_tokens if config.speculative == "mtp" else 0
-    runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config, mtp_tokens)
+    runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config, mtp_tokens,
+                         config.quantization)
     # Hybrid models hold one fixed-size recurrent state per running sequence: reserve those slots
     # out of the same memory budget first, the rest goes to KV blocks.
     num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tokenline.model.model_store import tokenline_home
+from tokenline.model.quantization import BLOCK, CODE_BLOCK_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class CpuKernels:
         lib.tl_rms_norm_bf16.restype = None
         lib.tl_rotary_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I]
         lib.tl_rotary_bf16.restype = None
-        lib.tl_decode_layer_f32.argtypes = [_P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
+        lib.tl_linear_q.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _I]
+        lib.tl_linear_q.restype = None
+        lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
+        lib.tl_dequantize_q.restype = None
+        lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
                                             _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
         lib.tl_decode_layer_f32.restype = None
         self._lib = lib
@@ -127,6 +132,28 @@ class CpuKernels:
         y = torch.empty((m, n), dtype=torch.bfloat16)
         self._lib.tl_linear_bf16_blocked(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, n, k, block_n, pairs)
         return y
+
+    def linear_q(self, x: torch.Tensor, blocks: torch.Tensor, code: int, n: int) -> torch.Tensor:
+        """``x @ w.T`` in float32 with w [n, K] held as quantized blocks (model/quantization.py;
+        ``code`` its format's): x [M, K] contiguous float32, K a multiple of 32."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or blocks.dtype != torch.uint8:
+            raise ValueError("linear_q takes contiguous 2-D float32 activations and uint8 blocks")
+        m, k = x.shape
+        block_bytes = CODE_BLOCK_BYTES.get(code)
+        if block_bytes is None or k % BLOCK or blocks.shape != (n, k // BLOCK * block_bytes) or not blocks.is_contiguous():
+            raise ValueError(f"linear_q: blocks {tuple(blocks.shape)} do not hold a [{n}, {k}] weight of format {code}")
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._lib.tl_linear_q(code, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    def dequantize_q(self, blocks: torch.Tensor, code: int, n: int, k: int) -> torch.Tensor:
+        """The float32 [n, k] weight held in ``blocks`` (format ``code``), as ggml dequantizes it."""
+        block_bytes = CODE_BLOCK_BYTES.get(code)
+        if block_bytes is None or k % BLOCK or blocks.shape != (n, k // BLOCK * block_bytes) or not blocks.is_contiguous():
+            raise ValueError(f"dequantize_q: blocks {tuple(blocks.shape)} do not hold a [{n}, {k}] weight of format {code}")
+        out = torch.empty((n, k), dtype=torch.float32)
+        self._lib.tl_dequantize_q(code, blocks.data_ptr(), out.data_ptr(), n, k)
+        return out
 
     def rms_norm_bf16(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension of contiguous bfloat16 rows, rounding as the reference."""
@@ -199,7 +226,7 @@ class CpuKernels:
         if rows.cos.shape != (m, w.head_dim) or rows.slots.shape != (m,) or rows.block_tables.shape[0] != m:
             raise ValueError("decode_layer_f32_: the step's rows do not fit x")
         self._lib.tl_decode_layer_f32(
-            x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
+            w.fmt, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
             w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
             rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
@@ -208,35 +235,48 @@ class CpuKernels:
 
 
 def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
-    """Floats of scratch ``decode_layer_f32_`` needs for ``rows`` rows."""
+    """Floats of scratch ``decode_layer_f32_`` needs for ``rows`` rows: the activations, then the
+    rows' sums over blocks of 32 (read with quantized weights)."""
     hidden, q_width = w.input_norm.shape[0], w.heads * w.head_dim
-    return rows * (hidden + w.qkv.shape[0] + q_width + w.gate_up.shape[0])
+    widest = max(hidden, q_width, w.gate_up.shape[0] // 2)
+    return rows * (hidden + w.qkv.shape[0] + q_width + w.gate_up.shape[0] + widest // BLOCK)
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One Llama layer's float32 weights as ``decode_layer_f32`` reads them (plain row-major
-    matrices; the tensors are held so their pointers stay valid)."""
+    """One Llama layer's weights as ``decode_layer_f32`` reads them (plain row-major matrices, or
+    their quantized blocks by ``fmt``; the tensors are held so their pointers stay valid)."""
 
-    input_norm: torch.Tensor  # [H]
+    input_norm: torch.Tensor  # [H] float32
     qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]: q | k | v rows
     o: torch.Tensor  # [H, heads * head_dim]
-    post_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H] float32
     gate_up: torch.Tensor  # [2 I, H]: gate | up rows
     down: torch.Tensor  # [H, I]
     eps: float
     heads: int
     kv_heads: int
     head_dim: int
+    fmt: int = 0  # 0: float32 matrices; else quantization.FORMAT_CODES: uint8 blocks [N, K / 32 * bytes]
 
     def check(self) -> None:
-        tensors = (self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down)
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-            raise ValueError("decode_layer_f32 takes contiguous float32 CPU weights")
+        norms, matrices = (self.input_norm, self.post_norm), (self.qkv, self.o, self.gate_up, self.down)
+        dtype = torch.float32 if self.fmt == 0 else torch.uint8
+        if (any(t.dtype != torch.float32 for t in norms)
+                or any(t.dtype != dtype for t in matrices)
+                or any(t.device.type != "cpu" or not t.is_contiguous() for t in (*norms, *matrices))):
+            raise ValueError("decode_layer_f32 takes contiguous CPU weights: float32, or uint8 blocks by fmt")
         hidden = self.input_norm.shape[0]
         q_width = self.heads * self.head_dim
-        if (self.qkv.shape != (q_width + 2 * self.kv_heads * self.head_dim, hidden) or self.o.shape != (hidden, q_width)
-                or self.gate_up.shape[1] != hidden or self.down.shape != (hidden, self.gate_up.shape[0] // 2)):
+        inter = self.gate_up.shape[0] // 2
+
+        def width(k: int) -> int:  # a row of a [N, k] weight, in elements (float32) or bytes (blocks)
+            return k if self.fmt == 0 else k // BLOCK * CODE_BLOCK_BYTES[self.fmt]
+
+        if (self.qkv.shape != (q_width + 2 * self.kv_heads * self.head_dim, width(hidden))
+                or self.o.shape != (hidden, width(q_width)) or self.gate_up.shape[1] != width(hidden)
+                or self.down.shape != (hidden, width(inter))
+                or (self.fmt and any(k % BLOCK for k in (hidden, q_width, inter)))):
             raise ValueError("decode_layer_f32: weight shapes do not fit one another")
 
 

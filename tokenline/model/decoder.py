@@ -105,6 +105,8 @@ class DecoderLM(CausalLM):
             if kernels is None or not weights or any(w is None for w in weights):
                 self._fused_layers = False
             else:
+                for w in weights:
+                    w.check()
                 scratch = max(cpu_kernels.decode_layer_scratch(cpu_kernels.DECODE_LAYER_MAX_ROWS, w) for w in weights)
                 self._fused_layers = (kernels, weights, torch.empty(scratch, dtype=torch.float32))
         return self._fused_layers or None

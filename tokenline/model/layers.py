@@ -20,11 +20,16 @@ from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata, paged_attention
 from tokenline.model.config import ModelConfig
 from tokenline.model.packed_weight import PackedWeight, pack
+from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
 
 # Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
 SMALL_BATCH_ROWS = 2
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32
+# Quantized weights: below this many rows our kernel reads the blocks in place; from here (prefill)
+# dequantizing the matrix once and multiplying in float wins (one thread on the AVX2 box here: even
+# at 32 rows, 1.7 vs 2.0 ms for the default model's down projection; 6.0 vs 14.7 ms at 256).
+QUANTIZED_GEMV_ROWS = 32
 
 
 class RMSNorm(nn.Module):
@@ -152,6 +157,18 @@ class Linear(nn.Linear):
 
     _kernels: cpu_kernels.CpuKernels | None = None
     _packed: PackedWeight | None = None
+    _quantized: QuantizedWeight | None = None
+
+    def quantize_(self, fmt: str) -> bool:
+        """Hold the weight only as ``fmt`` blocks (``--quantization``); False where it cannot be
+        (not a CPU weight, or an input width that is not a multiple of 32)."""
+        weight = self.weight
+        if weight is None or weight.device.type != "cpu" or self.in_features % BLOCK:
+            return False
+        self._quantized = quantize(weight, fmt)
+        self._kernels = cpu_kernels.load()
+        self.register_parameter("weight", None)
+        return True
 
     def prepare_for_inference(self, keep_plain: bool = False) -> None:
         weight = self.weight
@@ -170,12 +187,16 @@ class Linear(nn.Linear):
         """The [out, in] weight: the parameter, or a fresh copy unpacked from the packed one."""
         if self.weight is not None:
             return self.weight
+        if self._quantized is not None:
+            return self._quantized.dequantize()
         assert self._packed is not None
         if self._packed.layout is None:
             return self._packed.onednn.to_dense()
         return self._packed.unpack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._quantized is not None:
+            return self._quantized_forward(x)
         if self._kernels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
             if self.weight is not None:
                 return self._kernels.linear_bf16(x.contiguous(), self.weight)
@@ -187,6 +208,22 @@ class Linear(nn.Linear):
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed.onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A few rows: the blocks read in place by our kernel (activations in float32). More rows, or
+        no kernels: the weight dequantized for the call and a float matrix product."""
+        q = self._quantized
+        assert q is not None
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if self._kernels is None:
+            y = F.linear(rows, q.dequantize())
+        elif rows.shape[0] < QUANTIZED_GEMV_ROWS:
+            y = self._kernels.linear_q(rows, q.blocks, q.code, q.out_features)
+        else:
+            y = F.linear(rows, self._kernels.dequantize_q(q.blocks, q.code, q.out_features, q.in_features))
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 class MergedLinear(Linear):
@@ -218,22 +255,51 @@ class PackedEmbedding(nn.Module):
         return packed.rows(input_ids)
 
 
-def prepare_for_inference(model: nn.Module) -> None:
+class QuantizedEmbedding(nn.Module):
+    """The token embedding of a model whose quantized head is tied to it: rows are dequantized from
+    the head's blocks as they are looked up, so the matrix is held once, quantized."""
+
+    def __init__(self, head: Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not registered as a submodule (the model already holds it)
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        quantized = self.head[0]._quantized
+        assert quantized is not None
+        return quantized.rows(input_ids).to(self.dtype)
+
+
+def prepare_for_inference(model: nn.Module, quantization: str | None = None) -> None:
     """Give every ``Linear`` its fast path; call after the weights are loaded (and never train).
 
     A head tied to the token embedding is packed like any layer when our kernel can read the
     packed layout; the embedding then looks rows up in it (``PackedEmbedding``), so the shared
-    matrix is held once."""
-    keep_plain = os.environ.get("TOKENLINE_KEEP_PLAIN_WEIGHTS", "0") == "1"
+    matrix is held once. ``quantization`` (q4_1, q8_0): every linear layer holds its weight as
+    blocks of that format instead (the head as Q8_0), a tied embedding looking rows up in the head's."""
     head = getattr(model, "lm_head", None)
     embed = getattr(model, "embed_tokens", None)
     tied = isinstance(head, Linear) and isinstance(embed, nn.Embedding) and head.weight is embed.weight
+    if quantization is not None:
+        _quantize_linears(model, quantization, head if isinstance(head, Linear) else None, tied)
+        return
+    keep_plain = os.environ.get("TOKENLINE_KEEP_PLAIN_WEIGHTS", "0") == "1"
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepare_for_inference(keep_plain=keep_plain or (tied and module is head))
     if tied and not keep_plain and head._packed is not None and head._packed.layout is not None:
         model.embed_tokens = PackedEmbedding(head)
         head.register_parameter("weight", None)
+
+
+def _quantize_linears(model: nn.Module, fmt: str, head: Linear | None, tied: bool) -> None:
+    dtype = head.weight.dtype if head is not None and head.weight is not None else torch.float32
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantize_(HEAD_FORMAT if module is head else fmt)
+    if tied and head is not None and head._quantized is not None:
+        model.embed_tokens = QuantizedEmbedding(head, dtype)
 
 
 class GatedMLP(nn.Module):

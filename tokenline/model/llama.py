@@ -41,18 +41,27 @@ class LlamaDecoderLayer(nn.Module):
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for the one-call float32 decode kernel (cpu_kernels.decode_layer_f32_),
         or None where it is not the plain Llama layer (a q/k norm, an output gate, biases) or its
-        weights are not plain float32 CPU tensors."""
+        weights are neither float32 CPU tensors nor quantized blocks of one format."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if attn.q_norm is not None or attn.output_gate or any(lin.bias is not None for lin in linears):
             return None
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        tensors = (*norms, *(lin.weight for lin in linears))
-        if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in norms):
             return None
-        ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in tensors)
+        quantized = [lin._quantized for lin in linears]
+        if all(q is None for q in quantized):
+            matrices = [lin.weight for lin in linears]
+            if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" for t in matrices):
+                return None
+            fmt = 0
+        elif len({q.fmt if q else None for q in quantized}) == 1:  # one format, every projection
+            matrices, fmt = [q.blocks for q in quantized if q is not None], quantized[0].code  # type: ignore[union-attr]
+        else:
+            return None
+        ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))
         return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim)
+                                  attn.num_kv_heads, attn.head_dim, fmt)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -31,9 +31,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def load_model(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, mtp: bool = False
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, mtp: bool = False,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """``mtp``: also build and load the checkpoint's multi-token-prediction head (``--speculative mtp``)."""
+    """``mtp``: also build and load the checkpoint's multi-token-prediction head (``--speculative mtp``);
+    ``quantization``: q4_1 or q8_0 blocks for the linear layers (model/quantization.py)."""
     if mtp:
         check_mtp_checkpoint(model_dir, config)  # a clear error, not a list of missing weights
     # Build on the meta device so no time is spent initialising weights we overwrite anyway; the
@@ -44,7 +46,7 @@ def load_model(
             model.enable_mtp()
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(iter_safetensors(model_dir))
-    prepare_for_inference(model)
+    prepare_for_inference(model, quantization)
     _return_freed_memory()
     return model.eval()
 

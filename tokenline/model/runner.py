@@ -31,13 +31,15 @@ class ModelRunner:
         vocab_size: int | None = None,
         config: ModelConfig | None = None,
         mtp_speculative_tokens: int = 0,
+        quantization: str | None = None,
     ) -> None:
         self.config = config or ModelConfig.from_dir(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # --speculative mtp: the checkpoint's MTP head drafts inside each step (model/mtp_drafter.py).
-        self.model = load_model(model_dir, self.config, dtype, self.device, mtp=mtp_speculative_tokens > 0)
+        self.model = load_model(model_dir, self.config, dtype, self.device, mtp=mtp_speculative_tokens > 0,
+                                quantization=quantization)
         # The tokenizer may know fewer ids than the embedding has rows (padded vocabularies).
         self.sampler = Sampler(vocab_size or self.config.vocab_size)
         self.kv_caches: list[Cache] = []

@@ -9,6 +9,10 @@
  *   row once and reuses it for all rows of x.
  * - tl_decode_attention: one query token per sequence against its paged KV cache, reading the
  *   blocks in place (no gather of the history into a padded copy, no mask).
+ * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
+ *   read in place and widened to floats in registers.
+ * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
+ *   its weights float32 or quantized.
  */
 #include <math.h>
 #include <omp.h>
@@ -16,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -985,10 +989,11 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  *   x += o_proj(attention(rope(qkv_proj(rms_norm(x) * ln1)), paged KV))
  *   x += down_proj(silu(gate) * up),  gate|up = gate_up_proj(rms_norm(x) * ln2)
  *
- * x [M, H] is updated in place. Weights are the plain row-major float32 matrices ([N, K]: q|k|v
- * rows, gate|up rows, as the model holds them); cos/sin [M, Dh] (full rotary, rotate-half);
- * slots [M] the cache slot of each row's new K/V; tables/lens as tl_decode_attention takes them.
- * scratch holds M * (H + (H + 2 KVH) Dh + H Dh + 2 I) floats. Each matrix product streams each
+ * x [M, H] is updated in place. Weights are row-major [N, K] matrices (q|k|v rows, gate|up rows, as
+ * the model holds them), float32 or, by wfmt, ggml Q4_1 / Q8_0 blocks (norms stay float32);
+ * cos/sin [M, Dh] (full rotary, rotate-half); slots [M] the cache slot of each row's new K/V;
+ * tables/lens as tl_decode_attention takes them. scratch holds M * (H + (heads + 2 KVH) Dh +
+ * heads Dh + 2 I) floats, then M block sums of the widest K (see cpu_kernels.py). Each matrix product streams each
  * weight row once for all M rows, threads splitting the output columns (portable vector code:
  * GCC vector extensions compile to AVX2 or AVX-512 as the build allows).
  */
@@ -1037,6 +1042,202 @@ static void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_
         for (int64_t m = 0; m < M; m++) gemv_tile_f32(x + m * K, w, y + m * N, 1, 1, n, N, K, accumulate);
 }
 
+/* ---- Weight-only quantization: ggml's Q4_1 and Q8_0 blocks of 32 weights along K ----
+ * Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (weight j = qs[j] & 15, weight j + 16 = qs[j] >> 4),
+ *       w = d * q + m.  Q8_0: fp16 d, 32 int8, w = d * q.
+ * The activations stay float32 (llama.cpp quantizes them to 8 bits too; we keep the float model's
+ * numbers): a block's dot product is d * sum(q x) (+ m * sum(x), the row's block sum, computed once
+ * per matrix product), the codes widened to floats in registers, each block read once for all rows. */
+#define TL_QK 32
+enum { TL_W_F32 = 0, TL_W_Q4_1 = 1, TL_W_Q8_0 = 2 };
+
+static inline int64_t q_block_bytes(int fmt) { return fmt == TL_W_Q4_1 ? 20 : 34; }
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h); /* blocks are 20 or 34 bytes: unaligned */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (exp == 0x1f ? 0x7f800000u : (exp + 112u) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+/* xs[m, b] = the sum of x[m] over block b (what a Q4_1 block's minimum multiplies). */
+static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
+    for (int64_t r = 0; r < M * (K / TL_QK); r++) {
+        float sum = 0.0f;
+        for (int i = 0; i < TL_QK; i++) sum += x[r * TL_QK + i];
+        xs[r] = sum;
+    }
+}
+
+#if defined(__AVX2__)
+/* A block's 32 codes as four vectors of floats, in weight order. */
+static inline __attribute__((always_inline)) void block_codes(const int fmt, const uint8_t *blk, __m256 q[4]) {
+    if (fmt == TL_W_Q4_1) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4)), nibble = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, nibble), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 2)), b = _mm_loadu_si128((const __m128i *)(blk + 18));
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    }
+}
+#endif
+
+/* y[m, n0 .. n0+NT) (+)= x[m] . w[n] for M rows of x, w in blocks; like gemv_tile_f32, NT weight rows
+ * stream once for all M rows. */
+static inline __attribute__((always_inline)) void qgemv_tile(const int fmt, const float *x, const float *xs,
+                                                             const uint8_t *w, float *y, const int M, const int NT,
+                                                             int64_t n0, int64_t N, int64_t K, int accumulate) {
+    const int64_t nb = K / TL_QK, bb = q_block_bytes(fmt), row_bytes = nb * bb;
+    float sums[TL_LAYER_MAX_ROWS][4];
+#if defined(__AVX2__)
+    __m256 acc[TL_LAYER_MAX_ROWS][4];
+    float offset[TL_LAYER_MAX_ROWS][4];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NT; j++) acc[m][j] = _mm256_setzero_ps(), offset[m][j] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int j = 0; j < NT; j++) {
+            const uint8_t *blk = w + (n0 + j) * row_bytes + b * bb;
+            __m256 q[4];
+            block_codes(fmt, blk, q);
+            const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+            const float mw = fmt == TL_W_Q4_1 ? f16_to_f32(blk + 2) : 0.0f;
+            for (int m = 0; m < M; m++) {
+                const float *xb = x + m * K + b * TL_QK;
+                __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+                dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), dot);
+                dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), dot);
+                dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), dot);
+                acc[m][j] = _mm256_fmadd_ps(d, dot, acc[m][j]);
+                if (fmt == TL_W_Q4_1) offset[m][j] += mw * xs[m * nb + b];
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NT; j++) sums[m][j] = hsum8((tl_v8)acc[m][j]) + offset[m][j];
+#else
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NT; j++) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + (n0 + j) * row_bytes + b * bb;
+                const float *xb = x + m * K + b * TL_QK;
+                float dot = 0.0f;
+                if (fmt == TL_W_Q4_1) {
+                    for (int i = 0; i < TL_QK / 2; i++)
+                        dot += (float)(blk[4 + i] & 0x0F) * xb[i] + (float)(blk[4 + i] >> 4) * xb[i + TL_QK / 2];
+                    total += f16_to_f32(blk + 2) * xs[m * nb + b];
+                } else {
+                    for (int i = 0; i < TL_QK; i++) dot += (float)(int8_t)blk[2 + i] * xb[i];
+                }
+                total += f16_to_f32(blk) * dot;
+            }
+            sums[m][j] = total;
+        }
+#endif
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NT; j++) {
+            if (accumulate) y[m * N + n0 + j] += sums[m][j];
+            else y[m * N + n0 + j] = sums[m][j];
+        }
+}
+
+#define TL_QCASE(F, MM, NT_)                                                                   \
+    case (F) * 100 + (MM) * 10 + (NT_):                                                        \
+        qgemv_tile(F, x, xs, w, y, MM, NT_, n0, N, K, accumulate);                             \
+        break;
+#define TL_QCASES_M(F, MM) TL_QCASE(F, MM, 1) TL_QCASE(F, MM, 2) TL_QCASE(F, MM, 4)
+#define TL_QCASES(F) TL_QCASES_M(F, 1) TL_QCASES_M(F, 2) TL_QCASES_M(F, 3) TL_QCASES_M(F, 4)
+
+/* One tile with the format, row count and tile width as constants (each case its own loop). */
+static void qgemv_tile_dispatch(int fmt, const float *x, const float *xs, const uint8_t *w, float *y, int M,
+                                int NT, int64_t n0, int64_t N, int64_t K, int accumulate) {
+    switch (fmt * 100 + M * 10 + NT) {
+        TL_QCASES(TL_W_Q4_1)
+        TL_QCASES(TL_W_Q8_0)
+    default: break;
+    }
+}
+
+/* y[M, N] (+)= x[M, K] @ w^T; xs the rows' block sums. Threads split the output columns; each tile
+ * of weight rows stays in L1 while every group of up to four rows of x passes over it. */
+static void qgemv(int fmt, const float *x, const float *xs, const uint8_t *w, float *y, int64_t M, int64_t N,
+                  int64_t K, int accumulate) {
+    const int NT = M <= 2 ? 4 : 2; /* AVX2's 16 registers: M x NT accumulators and a block's codes */
+    const int64_t nb = K / TL_QK, tiles = N / NT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t <= tiles; t++) {
+        const int width = t < tiles ? NT : 1; /* the last "tile": the leftover columns one by one */
+        const int64_t first = t * NT, last = t < tiles ? first + NT : N;
+        for (int64_t n0 = first; n0 < last; n0 += width)
+            for (int64_t m0 = 0; m0 < M; m0 += TL_LAYER_MAX_ROWS) {
+                const int rows = (int)(M - m0 < TL_LAYER_MAX_ROWS ? M - m0 : TL_LAYER_MAX_ROWS);
+                qgemv_tile_dispatch(fmt, x + m0 * K, xs + m0 * nb, w, y + m0 * N, rows, width, n0, N, K, accumulate);
+            }
+    }
+}
+
+void tl_linear_q(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+    float *xs = malloc((size_t)(M * (K / TL_QK)) * sizeof(float) + sizeof(float));
+    if (!xs) {
+        for (int64_t i = 0; i < M * N; i++) y[i] = NAN; /* never silently wrong */
+        return;
+    }
+    block_sums(x, M, K, xs);
+    qgemv(fmt, x, xs, w, y, M, N, K, 0);
+    free(xs);
+}
+
+/* w [N, K] in blocks to float32 out [N, K], as ggml dequantizes (d * q + m; d * q): for a prefill's
+ * many rows a float matrix product beats reading the blocks row group by row group. */
+void tl_dequantize_q(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K) {
+    const int64_t nb = K / TL_QK, bb = q_block_bytes(fmt);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < N * nb; r++) {
+        const uint8_t *blk = w + r * bb;
+        float *o = out + r * TL_QK;
+        const float d = f16_to_f32(blk);
+        if (fmt == TL_W_Q4_1) {
+            const float m = f16_to_f32(blk + 2);
+            for (int i = 0; i < TL_QK / 2; i++) {
+                o[i] = d * (float)(blk[4 + i] & 0x0F) + m;
+                o[i + TL_QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+            }
+        } else {
+            for (int i = 0; i < TL_QK; i++) o[i] = d * (float)(int8_t)blk[2 + i];
+        }
+    }
+}
+
+/* A decode layer's projection: float32 weights through gemv_f32, quantized ones through qgemv
+ * (the rows' block sums in the layer's scratch). */
+static void layer_linear(int fmt, const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K,
+                         int accumulate, float *xs) {
+    if (fmt == TL_W_F32) {
+        gemv_f32(x, (const float *)w, y, M, N, K, accumulate);
+        return;
+    }
+    block_sums(x, M, K, xs);
+    qgemv(fmt, x, xs, (const uint8_t *)w, y, M, N, K, accumulate);
+}
+
 /* out = w * (x / rms(x)), as the float32 reference computes it. */
 static void rms_norm_f32(const float *x, const float *weight, float *out, int64_t M, int64_t H, float eps) {
     for (int64_t m = 0; m < M; m++) {
@@ -1050,8 +1251,8 @@ static void rms_norm_f32(const float *x, const float *weight, float *out, int64_
     }
 }
 
-void tl_decode_layer_f32(float *x, int64_t M, int64_t H, float eps, const float *ln1, const float *w_qkv,
-                         const float *w_o, const float *ln2, const float *w_gate_up, const float *w_down,
+void tl_decode_layer_f32(int wfmt, float *x, int64_t M, int64_t H, float eps, const float *ln1, const void *w_qkv,
+                         const void *w_o, const float *ln2, const void *w_gate_up, const void *w_down,
                          int64_t I, int64_t heads, int64_t kv_heads, int64_t Dh, const float *cos, const float *sin,
                          float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables, int64_t width,
                          const int64_t *lens, int64_t block_size, int64_t max_len, float scale, float *scratch) {
@@ -1060,9 +1261,10 @@ void tl_decode_layer_f32(float *x, int64_t M, int64_t H, float eps, const float 
     float *qkv = h + M * H;              /* [M, qkv_width] */
     float *attn = qkv + M * qkv_width;   /* [M, q_width] */
     float *gate_up = attn + M * q_width; /* [M, 2I], then silu(gate) * up in its first I columns */
+    float *xs = gate_up + M * 2 * I;     /* [M, widest K / 32]: block sums for quantized weights */
 
     rms_norm_f32(x, ln1, h, M, H, eps);
-    gemv_f32(h, w_qkv, qkv, M, qkv_width, H, 0);
+    layer_linear(wfmt, h, w_qkv, qkv, M, qkv_width, H, 0, xs);
     const int64_t half = Dh / 2;
     for (int64_t m = 0; m < M; m++) {
         const float *c = cos + m * Dh, *s = sin + m * Dh;
@@ -1080,13 +1282,13 @@ void tl_decode_layer_f32(float *x, int64_t M, int64_t H, float eps, const float 
     }
     tl_decode_attention(TL_FLOAT32, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
                         Dh, block_size, max_len, scale);
-    gemv_f32(attn, w_o, x, M, H, q_width, 1);
+    layer_linear(wfmt, attn, w_o, x, M, H, q_width, 1, xs);
 
     rms_norm_f32(x, ln2, h, M, H, eps);
-    gemv_f32(h, w_gate_up, gate_up, M, 2 * I, H, 0);
+    layer_linear(wfmt, h, w_gate_up, gate_up, M, 2 * I, H, 0, xs);
     for (int64_t m = 0; m < M; m++) {
         float *g = gate_up + m * 2 * I, *act = gate_up + m * I; /* packed to [M, I] in place, row by row */
         for (int64_t i = 0; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
     }
-    gemv_f32(gate_up, w_down, x, M, H, I, 1);
+    layer_linear(wfmt, gate_up, w_down, x, M, H, I, 1, xs);
 }

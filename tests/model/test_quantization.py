@@ -1,0 +1,153 @@
+"""Weight-only quantization (model/quantization.py, tl_linear_q): ggml's blocks reproduced byte for
+byte, the kernel against float64 on the dequantized weights (vector and portable builds), and the
+default model served from Q4_1 blocks picking the float32 model's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenline.llm import LLM
+from tokenline.model import cpu_kernels
+from tokenline.model.layers import Linear, QuantizedEmbedding
+from tokenline.model.model_store import default_gguf_path
+from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, quantize
+from tokenline.sampling_params import SamplingParams
+
+kernels = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
+
+
+def test_requantizing_the_default_gguf_gives_back_its_own_blocks() -> None:
+    """Every Q4_1 and Q8_0 tensor of the default model's file, dequantized (as the importer does) and
+    quantized again, is the file's bytes: tokenline serves the blocks llama.cpp serves."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(default_gguf_path())
+    seen = {"Q4_1": 0, "Q8_0": 0}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in seen:
+            continue
+        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        blocks = quantize(weight, kind.lower()).blocks
+        assert torch.equal(blocks.flatten(), torch.from_numpy(np.array(tensor.data)).flatten()), tensor.name
+        seen[kind] += 1
+    assert seen == {"Q4_1": 210, "Q8_0": 1}  # every linear layer; the tied embedding/head
+
+
+@pytest.mark.parametrize("fmt", QUANTIZATIONS)
+def test_quantize_round_trip_and_layout(fmt: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(7, 96, generator=generator)
+    weight[2, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    q = quantize(weight, fmt)
+    assert q.blocks.dtype == torch.uint8 and q.blocks.shape == (7, 3 * BLOCK_BYTES[fmt])
+    back = q.dequantize()
+    assert torch.equal(back[2, :32], torch.zeros(32))
+    blocks = weight.reshape(7, 3, 32)
+    # the grid's step: (max - min) / 15 for Q4_1, max|w| / 127 for Q8_0; rounding errs by half of it
+    step = (blocks.amax(-1) - blocks.amin(-1)) / 15 if fmt == "q4_1" else blocks.abs().amax(-1) / 127
+    assert ((back - weight).abs().reshape(7, 3, 32).amax(-1) <= step * 0.5 + 1e-3).all()
+    assert torch.equal(q.rows(torch.tensor([[4, 0]])), back[[4, 0]].unsqueeze(0))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize(torch.randn(4, 40), fmt)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(weight, "awq")
+
+
+def _check_kernel(lib: cpu_kernels.CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for fmt in QUANTIZATIONS:
+        # decode rows (1-4: the fused layer's), a few past a tile of rows, odd column counts (tails)
+        for m, n, k in [(1, 576, 576), (2, 49, 64), (3, 1536, 576), (4, 101, 1536), (9, 50, 96)]:
+            w = torch.randn(n, k, generator=generator) * 0.05
+            x = torch.randn(m, k, generator=generator)
+            q = quantize(w, fmt)
+            got = lib.linear_q(x, q.blocks, q.code, n)
+            exact = x.double() @ q.dequantize().double().T
+            assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 2e-6, (fmt, m, n, k)
+
+
+@needs_kernels
+def test_kernel_matches_float64_on_the_dequantized_weight() -> None:
+    assert kernels is not None
+    _check_kernel(kernels)
+    for fmt in QUANTIZATIONS:  # the prefill path's dequantization is ggml's, bit for bit
+        q = quantize(torch.randn(50, 96), fmt)
+        assert torch.equal(kernels.dequantize_q(q.blocks, q.code, 50, 96), q.dequantize())
+    q = quantize(torch.randn(8, 64), "q4_1")
+    with pytest.raises(ValueError):
+        kernels.linear_q(torch.randn(2, 96), q.blocks, q.code, 8)  # blocks of another width
+    with pytest.raises(ValueError):
+        kernels.linear_q(torch.randn(2, 64, dtype=torch.bfloat16), q.blocks, q.code, 8)
+
+
+@needs_kernels
+def test_portable_build_matches_too() -> None:
+    """Without AVX2 or F16C (the scalar loops, the software half-float conversion)."""
+    try:
+        lib = cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=("-mno-avx2", "-mno-f16c")))
+    except Exception as exc:  # a compiler without these flags (not x86)
+        pytest.skip(f"no portable x86 build here: {exc}")
+    _check_kernel(lib)
+
+
+def test_linear_holds_only_blocks_and_falls_back_without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(1)
+    layer = Linear(64, 10, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(10, 64, generator=generator))
+        layer.bias.copy_(torch.randn(10, generator=generator))
+    assert layer.quantize_("q8_0") and layer.weight is None
+    for x in (torch.randn(2, 3, 64, generator=generator), torch.randn(40, 64, generator=generator)):  # decode, prefill
+        expected = torch.nn.functional.linear(x, layer.plain_weight(), layer.bias)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(layer, "_kernels", None)  # no C compiler: dequantized per call
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert not Linear(40, 8).quantize_("q4_1")  # 40 inputs do not split into blocks of 32
+
+
+def _greedy(llm: LLM, prompts: list[str], tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+
+
+def test_default_model_from_q4_1_blocks_matches_float32(default_model_dir: Path) -> None:
+    """The default model's weights are the GGUF's Q4_1 blocks dequantized, so serving the blocks
+    must pick the float32 model's greedy tokens: at batch 1 and 3 (the fused decode layer) and 6
+    (the torch operators with the quantized linears), prefill included."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "Water boils at", "The three primary colours are", "import numpy as np\n"]
+    plain = LLM(default_model_dir, dtype="float32", num_kv_blocks=128)
+    expected = {1: _greedy(plain, prompts[:1], 24), 3: _greedy(plain, prompts[:3], 24), 6: _greedy(plain, prompts, 24)}
+    del plain
+    llm = LLM(default_model_dir, dtype="float32", num_kv_blocks=128, quantization="q4_1")
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.qkv_proj._quantized.fmt == "q4_1"
+    assert model.lm_head._quantized.fmt == "q8_0" and isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no float matrix left
+    for batch, want in expected.items():
+        assert _greedy(llm, prompts[:batch], 24) == want, batch
+
+
+def test_the_hybrid_model_serves_quantized(tiny_qwen3_5) -> None:  # noqa: ANN001 - conftest's factory
+    """Qwen3.5's layout (DeltaNet and attention layers, an MTP-free head): every linear whose input
+    splits into blocks of 32 is held quantized, the rest float, and generation runs end to end."""
+    model_dir = tiny_qwen3_5()
+    plain = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    want = _greedy(plain, ["Hello there", "1, 2, 3,"], 8)
+    del plain
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_num_seqs=4, quantization="q8_0")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all((m._quantized is not None) == (m.in_features % 32 == 0) for m in linears)
+    assert any(m._quantized is not None for m in linears)
+    got = _greedy(llm, ["Hello there", "1, 2, 3,"], 8)
+    assert [len(t) for t in got] == [8, 8]
+    # 8-bit weights move a random model's logits a little: the first tokens agree
+    assert [t[0] for t in got] == [t[0] for t in want]

@@ -1,0 +1,98 @@
+"""Weight-only quantization in ggml's block formats, so a linear layer reads 4 or 8 bits a weight.
+
+``--quantization q4_1`` / ``q8_0`` replace each linear layer's weight, once it is loaded, by blocks
+of 32 weights along the input dimension, quantized as ggml's reference quantizers do:
+
+- Q4_1: fp16 scale d, fp16 minimum m, 32 four-bit codes; w = d * q + m (20 bytes a block);
+- Q8_0: fp16 scale d, 32 int8 codes; w = d * q (34 bytes a block).
+
+The output head stays Q8_0 under q4_1 (as llama.cpp's files keep it at more bits). For a model
+imported from a GGUF these are the file's own blocks: quantizing the dequantized weights again
+reproduces the file's bytes exactly (tests/model/test_quantization.py checks every tensor of the
+default model), so tokenline serves the same numbers llama.cpp serves from that file. The CPU kernel
+(``tl_linear_q``) reads the blocks in place; nothing is dequantized on the decode path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # weights per block, along the input dimension
+# The C kernel's codes (TL_W_* in csrc/cpu_kernels.c) and each format's bytes a block.
+FORMAT_CODES = {"q4_1": 1, "q8_0": 2}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+CODE_BLOCK_BYTES = {FORMAT_CODES[f]: BLOCK_BYTES[f] for f in FORMAT_CODES}
+QUANTIZATIONS = tuple(FORMAT_CODES)  # the values of --quantization
+HEAD_FORMAT = "q8_0"  # the output head's format whatever the layers' (llama.cpp keeps it at more bits)
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out_features, in_features] weight as ``blocks`` [out_features, in_features / 32 * bytes] uint8."""
+
+    fmt: str
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def code(self) -> int:
+        return FORMAT_CODES[self.fmt]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """w[ids] dequantized to float32, [*ids.shape, in_features] (a tied embedding's lookup)."""
+        flat = ids.reshape(-1)
+        out = _dequantize_blocks(self.blocks[flat], self.fmt, self.in_features)
+        return out.reshape(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight in float32 (a reader that needs it; not the hot path)."""
+        return _dequantize_blocks(self.blocks, self.fmt, self.in_features)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """ggml's reference quantizer for ``fmt`` over a 2-D weight whose input width is a multiple of 32."""
+    if fmt not in FORMAT_CODES:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"a [{n}, {k}] weight does not split into blocks of {BLOCK} inputs")
+    x = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)
+    if fmt == "q4_1":
+        low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (high - low) / 15.0
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        # (int8_t)(x0 + 0.5f) truncates a non-negative value: floor
+        q = torch.floor((x - low) * inv + 0.5).clamp_(max=15).to(torch.uint8)
+        codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+        head = torch.cat((_half_bytes(d), _half_bytes(low)), dim=-1)
+    else:
+        amax = x.abs().amax(-1, keepdim=True)
+        d = amax / 127.0
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        scaled = x * inv
+        q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)  # C's roundf
+        codes = q.view(torch.uint8)
+        head = _half_bytes(d)
+    blocks = torch.cat((head, codes), dim=-1).reshape(n, -1).contiguous()
+    return QuantizedWeight(fmt, blocks, n, k)
+
+
+def _half_bytes(values: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 1] as its float16's two little-endian bytes [..., 2]."""
+    return values.to(torch.float16).view(torch.uint8)
+
+
+def _dequantize_blocks(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    rows = blocks.reshape(-1, in_features // BLOCK, BLOCK_BYTES[fmt])
+    d = rows[..., 0:2].contiguous().view(torch.float16).float()
+    if fmt == "q4_1":
+        m = rows[..., 2:4].contiguous().view(torch.float16).float()
+        codes = rows[..., 4:]
+        q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
+        out = d * q + m
+    else:
+        out = d * rows[..., 2:].contiguous().view(torch.int8).float()
+    return out.reshape(*blocks.shape[:-1], in_features)
