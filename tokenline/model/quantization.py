@@ -59,6 +59,14 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"a [{n}, {k}] weight does not split into blocks of {BLOCK} inputs")
+    # A few rows at a time: the temporaries of a whole head (49k x 576) would add ~0.5 GB to the load's peak.
+    rows = max(1, (1 << 20) // k)
+    blocks = torch.cat([_quantize_rows(weight[i:i + rows], fmt) for i in range(0, n, rows)])
+    return QuantizedWeight(fmt, blocks, n, k)
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    n, k = weight.shape
     x = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)
     if fmt == "q4_1":
         low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
@@ -76,8 +84,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)  # C's roundf
         codes = q.view(torch.uint8)
         head = _half_bytes(d)
-    blocks = torch.cat((head, codes), dim=-1).reshape(n, -1).contiguous()
-    return QuantizedWeight(fmt, blocks, n, k)
+    return torch.cat((head, codes), dim=-1).reshape(n, -1)
 
 
 def _half_bytes(values: torch.Tensor) -> torch.Tensor:
