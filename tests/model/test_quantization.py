@@ -63,8 +63,10 @@ def test_quantize_round_trip_and_layout(fmt: str) -> None:
 def _check_kernel(lib: cpu_kernels.CpuKernels) -> None:
     generator = torch.Generator().manual_seed(0)
     for fmt in QUANTIZATIONS:
-        # decode rows (1-4: the fused layer's), a few past a tile of rows, odd column counts (tails)
-        for m, n, k in [(1, 576, 576), (2, 49, 64), (3, 1536, 576), (4, 101, 1536), (9, 50, 96)]:
+        # rows read in place (1-4: the fused layer's; 6: two row groups), through dequantized tiles
+        # (9, 37: odd rows); odd column counts (tails)
+        for m, n, k in [(1, 576, 576), (2, 49, 64), (3, 1536, 576), (4, 101, 1536), (6, 33, 64), (9, 50, 96),
+                        (37, 21, 64)]:
             w = torch.randn(n, k, generator=generator) * 0.05
             x = torch.randn(m, k, generator=generator)
             q = quantize(w, fmt)
@@ -104,7 +106,9 @@ def test_linear_holds_only_blocks_and_falls_back_without_kernels(monkeypatch: py
         layer.weight.copy_(torch.randn(10, 64, generator=generator))
         layer.bias.copy_(torch.randn(10, generator=generator))
     assert layer.quantize_("q8_0") and layer.weight is None
-    for x in (torch.randn(2, 3, 64, generator=generator), torch.randn(40, 64, generator=generator)):  # decode, prefill
+    # decode rows, rows through dequantized tiles, a prefill's rows (the whole matrix dequantized)
+    for x in (torch.randn(2, 3, 64, generator=generator), torch.randn(40, 64, generator=generator),
+              torch.randn(130, 64, generator=generator)):
         expected = torch.nn.functional.linear(x, layer.plain_weight(), layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(layer, "_kernels", None)  # no C compiler: dequantized per call

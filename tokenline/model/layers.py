@@ -26,10 +26,11 @@ from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, qu
 SMALL_BATCH_ROWS = 2
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32
-# Quantized weights: below this many rows our kernel reads the blocks in place; from here (prefill)
-# dequantizing the matrix once and multiplying in float wins (one thread on the AVX2 box here: even
-# at 32 rows, 1.7 vs 2.0 ms for the default model's down projection; 6.0 vs 14.7 ms at 256).
-QUANTIZED_GEMV_ROWS = 32
+# Quantized weights: below this many rows our kernel reads the blocks (up to 8 rows in place, more
+# through small dequantized tiles); from here (prefill) dequantizing the matrix once and multiplying in
+# float wins. 2 threads on the AVX2 box here, the default model's gate|up: 4.7 vs 5.8 ms at 64 rows,
+# 8.7 vs 7.2 at 128 (the head, 49k rows: 105 vs 130 ms even at 128; a float copy of it is 113 MB).
+QUANTIZED_GEMV_ROWS = 128
 
 
 class RMSNorm(nn.Module):

@@ -1080,6 +1080,25 @@ static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
     }
 }
 
+/* count blocks of w to floats, as ggml dequantizes (d * q + m; d * q). */
+static void dequantize_blocks(int fmt, const uint8_t *w, float *out, int64_t count) {
+    const int64_t bb = q_block_bytes(fmt);
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *blk = w + r * bb;
+        float *o = out + r * TL_QK;
+        const float d = f16_to_f32(blk);
+        if (fmt == TL_W_Q4_1) {
+            const float m = f16_to_f32(blk + 2);
+            for (int i = 0; i < TL_QK / 2; i++) {
+                o[i] = d * (float)(blk[4 + i] & 0x0F) + m;
+                o[i + TL_QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+            }
+        } else {
+            for (int i = 0; i < TL_QK; i++) o[i] = d * (float)(int8_t)blk[2 + i];
+        }
+    }
+}
+
 #if defined(__AVX2__)
 /* A block's 32 codes as four vectors of floats, in weight order. */
 static inline __attribute__((always_inline)) void block_codes(const int fmt, const uint8_t *blk, __m256 q[4]) {
@@ -1178,8 +1197,62 @@ static void qgemv_tile_dispatch(int fmt, const float *x, const float *xs, const 
 
 /* y[M, N] (+)= x[M, K] @ w^T; xs the rows' block sums. Threads split the output columns; each tile
  * of weight rows stays in L1 while every group of up to four rows of x passes over it. */
+#define TL_DQ_TILE 16 /* weight rows a thread dequantizes at once: 16 x K floats stay in L1/L2 */
+
+static void gemv_tile_f32_dispatch(const float *x, const float *w, float *y, int M, int NT, int64_t n0, int64_t N,
+                                   int64_t K, int accumulate) {
+    switch (M * 8 + NT) {
+    case 1 * 8 + 1: gemv_tile_f32(x, w, y, 1, 1, n0, N, K, accumulate); break;
+    case 2 * 8 + 1: gemv_tile_f32(x, w, y, 2, 1, n0, N, K, accumulate); break;
+    case 3 * 8 + 1: gemv_tile_f32(x, w, y, 3, 1, n0, N, K, accumulate); break;
+    case 4 * 8 + 1: gemv_tile_f32(x, w, y, 4, 1, n0, N, K, accumulate); break;
+    case 1 * 8 + 2: gemv_tile_f32(x, w, y, 1, 2, n0, N, K, accumulate); break;
+    case 2 * 8 + 2: gemv_tile_f32(x, w, y, 2, 2, n0, N, K, accumulate); break;
+    case 3 * 8 + 2: gemv_tile_f32(x, w, y, 3, 2, n0, N, K, accumulate); break;
+    default: gemv_tile_f32(x, w, y, 4, 2, n0, N, K, accumulate); break;
+    }
+}
+
+/* More rows (a decode batch past 8): each thread dequantizes 16 weight
+ * rows into a small float buffer and runs every row of x over it with the float tile, so the blocks
+ * are read once and expanded once, whatever M (widening per block and row would repeat the
+ * expansion M / 4 times). */
+static void qgemv_tiles(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                        int accumulate) {
+    const int64_t nb = K / TL_QK, row_bytes = nb * q_block_bytes(fmt), tiles = (N + TL_DQ_TILE - 1) / TL_DQ_TILE;
+#pragma omp parallel
+    {
+        float *buf = malloc((size_t)(TL_DQ_TILE * K) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * TL_DQ_TILE, cols = N - n0 < TL_DQ_TILE ? N - n0 : TL_DQ_TILE;
+            if (!buf) { /* never silently wrong */
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t j = 0; j < cols; j++) y[m * N + n0 + j] = NAN;
+                continue;
+            }
+            dequantize_blocks(fmt, w + n0 * row_bytes, buf, cols * nb);
+            for (int64_t m0 = 0; m0 < M; m0 += TL_LAYER_MAX_ROWS) {
+                const int rows = (int)(M - m0 < TL_LAYER_MAX_ROWS ? M - m0 : TL_LAYER_MAX_ROWS);
+                int64_t j = 0; /* buf holds weight rows n0 .. n0 + cols: index them from 0, y from n0 */
+                for (; j + 2 <= cols; j += 2)
+                    gemv_tile_f32_dispatch(x + m0 * K, buf, y + m0 * N + n0, rows, 2, j, N, K, accumulate);
+                for (; j < cols; j++)
+                    gemv_tile_f32_dispatch(x + m0 * K, buf, y + m0 * N + n0, rows, 1, j, N, K, accumulate);
+            }
+        }
+        free(buf);
+    }
+}
+
+#define TL_Q_DIRECT_ROWS 8 /* up to here widening per block and row group beats expanding tiles */
+
 static void qgemv(int fmt, const float *x, const float *xs, const uint8_t *w, float *y, int64_t M, int64_t N,
                   int64_t K, int accumulate) {
+    if (M > TL_Q_DIRECT_ROWS) {
+        qgemv_tiles(fmt, x, w, y, M, N, K, accumulate);
+        return;
+    }
     const int NT = M <= 2 ? 4 : 2; /* AVX2's 16 registers: M x NT accumulators and a block's codes */
     const int64_t nb = K / TL_QK, tiles = N / NT;
 #pragma omp parallel for schedule(static)
@@ -1195,7 +1268,11 @@ static void qgemv(int fmt, const float *x, const float *xs, const uint8_t *w, fl
 }
 
 void tl_linear_q(int fmt, const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
-    float *xs = malloc((size_t)(M * (K / TL_QK)) * sizeof(float) + sizeof(float));
+    if (M > TL_Q_DIRECT_ROWS) {
+        qgemv_tiles(fmt, x, w, y, M, N, K, 0);
+        return;
+    }
+    float *xs = malloc((size_t)(M * (K / TL_QK)) * sizeof(float) + sizeof(float)); /* the rows' block sums */
     if (!xs) {
         for (int64_t i = 0; i < M * N; i++) y[i] = NAN; /* never silently wrong */
         return;
@@ -1210,20 +1287,7 @@ void tl_linear_q(int fmt, const float *x, const uint8_t *w, float *y, int64_t M,
 void tl_dequantize_q(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K) {
     const int64_t nb = K / TL_QK, bb = q_block_bytes(fmt);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < N * nb; r++) {
-        const uint8_t *blk = w + r * bb;
-        float *o = out + r * TL_QK;
-        const float d = f16_to_f32(blk);
-        if (fmt == TL_W_Q4_1) {
-            const float m = f16_to_f32(blk + 2);
-            for (int i = 0; i < TL_QK / 2; i++) {
-                o[i] = d * (float)(blk[4 + i] & 0x0F) + m;
-                o[i + TL_QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
-            }
-        } else {
-            for (int i = 0; i < TL_QK; i++) o[i] = d * (float)(int8_t)blk[2 + i];
-        }
-    }
+    for (int64_t n = 0; n < N; n++) dequantize_blocks(fmt, w + n * nb * bb, out + n * K, nb);
 }
 
 /* A decode layer's projection: float32 weights through gemv_f32, quantized ones through qgemv
