@@ -211,8 +211,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A few rows: the blocks read in place by our kernel (activations in float32). More rows, or
-        no kernels: the weight dequantized for the call and a float matrix product."""
+        """Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32).
+        More rows, or no kernels: the weight dequantized for the call and a float matrix product."""
         q = self._quantized
         assert q is not None
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
