@@ -14,7 +14,7 @@ from tokenline.llm import LLM
 from tokenline.model import cpu_kernels
 from tokenline.model.layers import Linear, QuantizedEmbedding
 from tokenline.model.model_store import default_gguf_path
-from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, quantize
+from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, QuantizedWeight, quantize
 from tokenline.sampling_params import SamplingParams
 
 kernels = cpu_kernels.load()
@@ -22,8 +22,10 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: 
 
 
 def test_requantizing_the_default_gguf_gives_back_its_own_blocks() -> None:
-    """Every Q4_1 and Q8_0 tensor of the default model's file, dequantized (as the importer does) and
-    quantized again, is the file's bytes: tokenline serves the blocks llama.cpp serves."""
+    """The default model's file, dequantized (as the importer does) and quantized again, is the
+    file's bytes: tokenline serves the blocks llama.cpp serves. The first and last layers' Q4_1
+    tensors and the Q8_0 embedding here (all 211 were checked once by hand; the whole file takes
+    ~10 s more)."""
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
 
@@ -31,13 +33,18 @@ def test_requantizing_the_default_gguf_gives_back_its_own_blocks() -> None:
     seen = {"Q4_1": 0, "Q8_0": 0}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        if kind not in seen:
+        if kind not in seen or not tensor.name.startswith(("blk.0.", "blk.29.", "token_embd")):
             continue
-        weight = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        blocks = quantize(weight, kind.lower()).blocks
-        assert torch.equal(blocks.flatten(), torch.from_numpy(np.array(tensor.data)).flatten()), tensor.name
+        fmt = kind.lower()
+        raw = torch.from_numpy(np.array(tensor.data)).reshape(-1, tensor.data.shape[-1])
+        k = raw.shape[1] // BLOCK_BYTES[fmt] * 32
+        ours = QuantizedWeight(fmt, raw, raw.shape[0], k).dequantize()
+        if seen[kind] == 0:  # our dequantization is gguf's (the importer's), checked on one of each
+            theirs = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            assert torch.equal(ours, torch.from_numpy(theirs).reshape(ours.shape))
+        assert torch.equal(quantize(ours, fmt).blocks, raw), tensor.name
         seen[kind] += 1
-    assert seen == {"Q4_1": 210, "Q8_0": 1}  # every linear layer; the tied embedding/head
+    assert seen == {"Q4_1": 14, "Q8_0": 1}  # two layers' seven linears; the tied embedding/head
 
 
 @pytest.mark.parametrize("fmt", QUANTIZATIONS)
