@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenline.engine.client import RestartPolicy
-from tokenline.engine.config import EngineConfig, parse_kv_events_config
+from tokenline.engine.config import QUANTIZATIONS, EngineConfig, parse_kv_events_config
 from tokenline.serve_args import (
     add_vllm_args,
     check_model_argument,
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) -> None:
     """Engine flags, named like vLLM's. ``quantization=False``: serve takes ``--quantization`` with
     vLLM's other flags (serve_args.VLLM_FLAGS, where other methods are refused by name)."""
-    from tokenline.model.quantization import QUANTIZATIONS
-
     d = EngineConfig()
     if quantization:
         parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenline.engine.config import json_object_flag
+from tokenline.engine.config import QUANTIZATIONS, json_object_flag
 from tokenline.model.model_store import DEFAULT_MODEL_NAME
 
 WIRED, NO_EFFECT, LIMITED = "wired", "no effect", "limited"
@@ -43,8 +43,6 @@ def _positive(flag: str) -> Callable[[Any], str | None]:
 
 
 def _refuse_quantization(value: Any) -> str | None:
-    from tokenline.model.quantization import QUANTIZATIONS
-
     if value is None or value in QUANTIZATIONS:
         return None
     return (f"quantization {value!r} is not supported: tokenline quantizes weights only to ggml's blocks "

@@ -47,6 +47,12 @@ def test_requantizing_the_default_gguf_gives_back_its_own_blocks() -> None:
     assert seen == {"Q4_1": 14, "Q8_0": 1}  # two layers' seven linears; the tied embedding/head
 
 
+def test_the_engine_config_accepts_exactly_these_formats() -> None:
+    from tokenline.engine.config import QUANTIZATIONS as ENGINE_NAMES
+
+    assert ENGINE_NAMES == QUANTIZATIONS
+
+
 @pytest.mark.parametrize("fmt", QUANTIZATIONS)
 def test_quantize_round_trip_and_layout(fmt: str) -> None:
     generator = torch.Generator().manual_seed(3)

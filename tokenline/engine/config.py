@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore
 
 GIB = 1 << 30
+# --quantization's values: the formats of tokenline.model.quantization (kept torch-free here for the
+# API process's flag checks; a test holds the two equal).
+QUANTIZATIONS = ("q4_1", "q8_0")
 
 
 @dataclass
@@ -99,8 +102,9 @@ class EngineConfig:
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         check_suffix_settings(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth,
                               self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob)
-        if self.quantization not in (None, "q4_1", "q8_0"):
-            raise ValueError(f"quantization must be 'q4_1', 'q8_0' or unset, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "
+                             f"got {self.quantization!r}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
