@@ -139,18 +139,14 @@ class CpuKernels:
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or blocks.dtype != torch.uint8:
             raise ValueError("linear_q takes contiguous 2-D float32 activations and uint8 blocks")
         m, k = x.shape
-        block_bytes = CODE_BLOCK_BYTES.get(code)
-        if block_bytes is None or k % BLOCK or blocks.shape != (n, k // BLOCK * block_bytes) or not blocks.is_contiguous():
-            raise ValueError(f"linear_q: blocks {tuple(blocks.shape)} do not hold a [{n}, {k}] weight of format {code}")
+        _check_blocks("linear_q", blocks, code, n, k)
         y = torch.empty((m, n), dtype=torch.float32)
         self._lib.tl_linear_q(code, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
     def dequantize_q(self, blocks: torch.Tensor, code: int, n: int, k: int) -> torch.Tensor:
         """The float32 [n, k] weight held in ``blocks`` (format ``code``), as ggml dequantizes it."""
-        block_bytes = CODE_BLOCK_BYTES.get(code)
-        if block_bytes is None or k % BLOCK or blocks.shape != (n, k // BLOCK * block_bytes) or not blocks.is_contiguous():
-            raise ValueError(f"dequantize_q: blocks {tuple(blocks.shape)} do not hold a [{n}, {k}] weight of format {code}")
+        _check_blocks("dequantize_q", blocks, code, n, k)
         out = torch.empty((n, k), dtype=torch.float32)
         self._lib.tl_dequantize_q(code, blocks.data_ptr(), out.data_ptr(), n, k)
         return out
@@ -232,6 +228,13 @@ class CpuKernels:
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
             k_cache.shape[1], max(1, rows.max_context_len), 1.0 / math.sqrt(w.head_dim), scratch.data_ptr(),
         )
+
+
+def _check_blocks(caller: str, blocks: torch.Tensor, code: int, n: int, k: int) -> None:
+    """``blocks`` must hold a [n, k] weight of format ``code``, contiguous."""
+    block_bytes = CODE_BLOCK_BYTES.get(code)
+    if block_bytes is None or k % BLOCK or blocks.shape != (n, k // BLOCK * block_bytes) or not blocks.is_contiguous():
+        raise ValueError(f"{caller}: blocks {tuple(blocks.shape)} do not hold a [{n}, {k}] weight of format {code}")
 
 
 def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:

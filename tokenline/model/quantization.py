@@ -8,9 +8,10 @@ of 32 weights along the input dimension, quantized as ggml's reference quantizer
 
 The output head stays Q8_0 under q4_1 (as llama.cpp's files keep it at more bits). For a model
 imported from a GGUF these are the file's own blocks: quantizing the dequantized weights again
-reproduces the file's bytes exactly (tests/model/test_quantization.py checks every tensor of the
-default model), so tokenline serves the same numbers llama.cpp serves from that file. The CPU kernel
-(``tl_linear_q``) reads the blocks in place; nothing is dequantized on the decode path.
+reproduces the file's bytes exactly (all 211 of the default model's; tests/model/test_quantization.py
+keeps checking two layers and the embedding), so tokenline serves the same numbers llama.cpp serves
+from that file. The CPU kernel (``tl_linear_q``) reads the blocks in place for a few decode rows and
+expands small tiles for more; only a prefill's many rows dequantize a whole matrix.
 """
 
 from __future__ import annotations
