@@ -77,6 +77,14 @@ def test_quantization_reaches_the_engine(default_model_dir: Path) -> None:
     assert args.quantization == "q4_1"
 
 
+def test_kv_cache_dtype_reaches_the_engine(default_model_dir: Path) -> None:
+    s, idle = settings(default_model_dir, "--kv-cache-dtype", "bfloat16")
+    assert s.engine.kv_cache_dtype == "bfloat16" and idle == []
+    assert settings(default_model_dir)[0].engine.kv_cache_dtype == "auto"
+    args = build_parser().parse_args(["bench", "throughput", "--kv-cache-dtype", "bfloat16"])
+    assert args.kv_cache_dtype == "bfloat16"
+
+
 def test_prefix_cache_fills_pool_reaches_the_engine(default_model_dir: Path) -> None:
     s, idle = settings(default_model_dir, "--prefix-cache-fills-pool")
     assert s.engine.prefix_cache_fills_pool and idle == []

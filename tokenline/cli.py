@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenline.engine.client import RestartPolicy
-from tokenline.engine.config import QUANTIZATIONS, EngineConfig, parse_kv_events_config
+from tokenline.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_kv_events_config
 from tokenline.serve_args import (
     add_vllm_args,
     check_model_argument,
@@ -30,12 +30,15 @@ if TYPE_CHECKING:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) -> None:
-    """Engine flags, named like vLLM's. ``quantization=False``: serve takes ``--quantization`` with
-    vLLM's other flags (serve_args.VLLM_FLAGS, where other methods are refused by name)."""
+    """Engine flags, named like vLLM's. ``quantization=False``: serve takes ``--quantization`` and
+    ``--kv-cache-dtype`` with vLLM's other flags (serve_args.VLLM_FLAGS, where other values are
+    refused by name)."""
     d = EngineConfig()
     if quantization:
         parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
                             help="weight-only quantization of the linear layers to ggml's blocks (the head Q8_0)")
+        parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                            help="the KV cache's dtype: auto (--dtype) or bfloat16 (half a float32 model's KV)")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations dtype (auto = bfloat16)")
     parser.add_argument("--device", default=d.device)
@@ -110,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         suffix_decoding_max_spec_factor=args.suffix_decoding_max_spec_factor,
         suffix_decoding_min_token_prob=args.suffix_decoding_min_token_prob,
         quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto",
         **(parse_kv_events_config(args.kv_events_config) if getattr(args, "kv_events_config", None) else {}),
     )
 

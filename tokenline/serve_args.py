@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenline.engine.config import QUANTIZATIONS, json_object_flag
+from tokenline.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, json_object_flag
 from tokenline.model.model_store import DEFAULT_MODEL_NAME
 
 WIRED, NO_EFFECT, LIMITED = "wired", "no effect", "limited"
@@ -50,9 +50,9 @@ def _refuse_quantization(value: Any) -> str | None:
 
 
 def _refuse_kv_cache_dtype(value: Any) -> str | None:
-    if value in (None, "auto"):
+    if value is None or value in KV_CACHE_DTYPES:
         return None
-    return f"kv cache dtype {value!r} is not supported: the KV cache is kept in the model's --dtype (auto)"
+    return f"kv cache dtype {value!r} is not supported: choose {' or '.join(KV_CACHE_DTYPES)}"
 
 
 def _refuse_max_logprobs(value: Any) -> str | None:
@@ -167,7 +167,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "q4_1 or q8_0: weight-only quantization in ggml's blocks (the head Q8_0), read in place by our "
              "kernels; a GGUF's own Q4_1 blocks for the default model; other methods refused",
              refuse=_refuse_quantization, idle=lambda v: False),
-    VllmFlag(("--kv-cache-dtype",), LIMITED, "auto only: the KV cache is kept in --dtype",
+    VllmFlag(("--kv-cache-dtype",), LIMITED,
+             "auto (the KV cache in --dtype) or bfloat16 (half a float32 model's KV: rounded on write, widened "
+             "on read); fp8 formats refused",
              refuse=_refuse_kv_cache_dtype, idle=lambda v: False),
     VllmFlag(("--max-logprobs",), LIMITED, "top logprobs are capped at 20 (OpenAI's limit): a lower cap is not enforced, a higher one refused",
              {"type": int},

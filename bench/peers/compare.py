@@ -28,14 +28,15 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,18 @@ def gguf_path() -> str:
     return str(ggufs[0])
 
 
-def make_system(name: str, port: int, threads: int, repack: bool = False) -> System:
+def make_system(name: str, port: int, threads: int, repack: bool = False,
+                tokenline_args: Sequence[str] = ()) -> System:
+    """``tokenline_args``: extra ``tokenline serve`` flags for every tokenline system (noted in its row)."""
+    system = _make_system(name, port, threads, repack)
+    if tokenline_args and name.startswith("tokenline"):
+        extra = " ".join(tokenline_args)
+        system = replace(system, argv=[*system.argv, *tokenline_args],
+                         model_note=f"{system.model_note}, {extra}" if system.model_note else extra)
+    return system
+
+
+def _make_system(name: str, port: int, threads: int, repack: bool) -> System:
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "tokenline":
         return System(name, [str(TOKENLINE), "serve", *host], model_note="HF dir, --dtype auto",
@@ -496,6 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                    help="CPU threads for llama.cpp (-t) and vLLM (VLLM_CPU_OMP_THREADS_BIND=0-N-1)")
+    p.add_argument("--tokenline-args", default="", metavar="FLAGS",
+                   help="extra `tokenline serve` flags for every tokenline system, given with '=', e.g. "
+                        "--tokenline-args=--no-prefix-cache-fills-pool (recorded in the table's model column)")
     p.add_argument("--llamacpp-repack", action="store_true",
                    help="don't pass --no-repack to llama-server (only where its AMX/repack kernels run)")
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
@@ -506,6 +521,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retry", type=int, default=0, metavar="N", help="rerun a rejected run up to N times")
     p.add_argument("--render-only", action="store_true", help="rewrite table.md from <out>/results.json")
     args = p.parse_args(argv)
+    args.tokenline_argv = shlex.split(args.tokenline_args)
     args.system_names = [n.strip() for n in args.systems.split(",") if n.strip()]
     for n in args.system_names:
         if n not in SYSTEMS:
@@ -592,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.system_names:
         port = args.port or free_port()
         try:
-            system = make_system(name, port, args.threads, args.llamacpp_repack)
+            system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv)
         except (SystemExit, subprocess.SubprocessError, OSError) as e:
             print(f"== {name}: skipped: {e}", flush=True)
             results[name] = {"system": name, "error": f"not run: {e}", "runs": []}

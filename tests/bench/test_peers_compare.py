@@ -213,6 +213,16 @@ def test_arguments(compare: ModuleType, capsys: pytest.CaptureFixture[str]) -> N
     assert "unknown client 'sglang'" in capsys.readouterr().err
 
 
+def test_tokenline_args_reach_only_tokenline_systems_and_their_note(compare: ModuleType) -> None:
+    extra = compare.parse_args(["--tokenline-args", "--no-prefix-cache-fills-pool -q q8_0"]).tokenline_argv
+    assert extra == ["--no-prefix-cache-fills-pool", "-q", "q8_0"]
+    plain = compare.make_system("tokenline-q4_1", 8000, 2)
+    lean = compare.make_system("tokenline-q4_1", 8000, 2, tokenline_args=extra)
+    assert lean.argv == [*plain.argv, *extra]
+    assert lean.model_note == plain.model_note + ", --no-prefix-cache-fills-pool -q q8_0"
+    assert compare.make_system("tokenline", 8000, 2, tokenline_args=extra).argv[-3:] == extra
+
+
 # --------------------------------------------------------------------------------------------------
 # the clients
 

@@ -96,6 +96,25 @@ def test_ragged_batch_matches_reference(dtype, heads, kv_heads, head_dim, block_
     _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_bfloat16_cache_beside_float32_queries(heads, kv_heads, head_dim, block_size) -> None:
+    """--kv-cache-dtype bfloat16 on a float32 model: the rows are widened on read (the 8-lane vector
+    path, on any CPU), the rest is float32 arithmetic: the float32 result on the rounded cache."""
+    lens = [1, 17, 5 * block_size, 3 * block_size + 1, 40, 2, 16 * 5 + 9, 33]
+    q, k_cache, v_cache, tables, lens = _case(heads + head_dim, len(lens), heads, kv_heads, head_dim, block_size,
+                                              lens, torch.float32)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(head_dim))
+    assert ours.dtype == torch.float32
+    _check(ours, _reference(q, k_cache, v_cache, tables, lens), torch.float32)
+    # Few sequences: a work item per KV head rather than all of a sequence's heads.
+    short = (tables[:2], lens[:2])
+    ours = kernels.decode_attention(q[:2], k_cache, v_cache, *short, int(lens[:2].max()), 1 / math.sqrt(head_dim))
+    _check(ours, _reference(q[:2], k_cache, v_cache, *short), torch.float32)
+    with pytest.raises(ValueError, match="supports float32 and bfloat16"):
+        kernels.decode_attention(q.bfloat16(), k_cache.float(), v_cache.float(), tables, lens, 1, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1], [700], [3, 1000], [129, 64]])
 def test_few_sequences_split_into_runs_match_reference(dtype, lens) -> None:
@@ -144,3 +163,7 @@ def test_portable_builds_match_reference(flags, dtype, portable_build) -> None:
     q, k_cache, v_cache, tables, lens = _case(11, 5, 9, 3, 64, 16, [1, 50, 320, 16, 100], dtype)
     ours = portable.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
     _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)
+    if dtype == torch.float32:  # and a bfloat16 cache beside the float32 queries (--kv-cache-dtype)
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+        ours = portable.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
+        _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)

@@ -131,6 +131,28 @@ def test_fused_layer_reads_quantized_blocks_like_the_torch_layer(fmt: str, rows:
     assert ((got - x) - expected).abs().max() > 1e-1  # the residual matters at this tolerance
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_layer_with_a_bfloat16_cache_matches_the_torch_layer(rows: int) -> None:
+    """--kv-cache-dtype bfloat16: both paths round the new K/V into the cache and read it widened."""
+    config = _config(576, 1536, 9, 3, 64)
+    generator = torch.Generator().manual_seed(rows + 11)
+    layer = _random_layer(config, generator)
+    x, positions, kv, meta = _decode_step(config, rows, generator)
+    cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.float32)
+    kv_torch, kv_fused = kv.bfloat16(), kv.bfloat16()
+    with torch.inference_mode():
+        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
+        got = _fused(layer, x, cos_sin, kv_fused, meta)
+        float_cache = layer(x.clone(), positions, cos_sin, kv.clone(), meta)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # The new rows: one bfloat16 rounding of K/V computed in another summation order.
+    torch.testing.assert_close(kv_fused.float(), kv_torch.float(), rtol=2**-7, atol=1e-5)
+    assert (kv_fused.view(torch.int16) != kv.bfloat16().view(torch.int16)).any()  # written through
+    # The rounding shows, a little (relative to rows of magnitude ~30 here).
+    assert 1e-6 < (expected - float_cache).abs().max() < 2e-2 * expected.abs().max()
+
+
 def test_only_plain_float32_layers_take_the_fused_path() -> None:
     config = _config(64, 96, 4, 2, 16)
     assert _random_layer(config, torch.Generator().manual_seed(0)).decode_weights() is not None

@@ -576,8 +576,8 @@ def run_roofline(config: RooflineConfig, log: Callable[[str], None] = lambda _: 
     log(f"loading {model_dir}")
     core = build_engine_core(engine_config, model_dir)
     params = matmul_params_from_model(core.runner.model)
-    # The runner casts weights and KV cache to one dtype.
-    weight_dtype_size = kv_dtype_size = core.runner.dtype.itemsize
+    # Weights in the runner's dtype (quantized blocks are not priced here); the KV in its own.
+    weight_dtype_size, kv_dtype_size = core.runner.dtype.itemsize, core.runner.kv_dtype.itemsize
     report = RooflineReport(
         model=str(model_dir),
         dtype=config.dtype,

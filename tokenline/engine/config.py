@@ -21,6 +21,9 @@ GIB = 1 << 30
 # --quantization's values: the formats of tokenline.model.quantization (kept torch-free here for the
 # API process's flag checks; a test holds the two equal).
 QUANTIZATIONS = ("q4_1", "q8_0")
+# --kv-cache-dtype's values, vLLM's spelling: auto keeps the KV in --dtype; bfloat16 halves a
+# float32 model's KV (rounded on write, widened on read; activations stay float32).
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class EngineConfig:
     device: str = "cpu"
     # Weight-only quantization of the linear layers to ggml's blocks: "q4_1" or "q8_0" (None: --dtype).
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     block_size: int = 16
     kv_cache_memory_gib: float = 2.0  # like vLLM's VLLM_CPU_KVCACHE_SPACE
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests use tiny pools)
@@ -210,8 +214,11 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
                         model_config.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, config.device)
     mtp_tokens = config.num_speculative_tokens if config.speculative == "mtp" else 0
+    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype {config.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    kv_dtype = None if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, config.device)
     runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config, mtp_tokens,
-                         config.quantization)
+                         config.quantization, kv_dtype)
     # Hybrid models hold one fixed-size recurrent state per running sequence: reserve those slots
     # out of the same memory budget first, the rest goes to KV blocks.
     num_state_slots = config.max_num_seqs if model_config.is_hybrid else 0

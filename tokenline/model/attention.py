@@ -57,9 +57,9 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """One layer's paged KV tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
 
-    The torch decode path reads padded rows of unused slots, where garbage could be NaN, so it needs
-    zeros; the C kernel reads only written slots, so its pool stays untouched (not resident) until
-    sequences fill it.
+    ``dtype`` is the model's, or bfloat16 under ``--kv-cache-dtype bfloat16``. The torch decode path
+    reads padded rows of unused slots, where garbage could be NaN, so it needs zeros; the C kernel
+    reads only written slots, so its pool stays untouched (not resident) until sequences fill it.
     """
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     reads_only_written = torch.device(device).type == "cpu" and cpu_kernels.load() is not None
@@ -76,8 +76,10 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    # A bfloat16 cache beside float32 activations (--kv-cache-dtype) stores rounded K/V; every read
+    # below widens them back to the queries' dtype.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
@@ -92,8 +94,8 @@ def paged_attention(
             meta.max_decode_context_len, 1.0 / math.sqrt(head_dim),
         )
     elif num_decode:
-        keys = _gather_tables(k_cache, meta.decode_block_tables)
-        values = _gather_tables(v_cache, meta.decode_block_tables)
+        keys = _gather_tables(k_cache, meta.decode_block_tables).to(q.dtype)
+        values = _gather_tables(v_cache, meta.decode_block_tables).to(q.dtype)
         query = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
@@ -112,8 +114,8 @@ def paged_attention(
             values = v[span.start : end].transpose(0, 1).unsqueeze(0)
             attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:
-            keys = _gather(k_cache, span).unsqueeze(0)
-            values = _gather(v_cache, span).unsqueeze(0)
+            keys = _gather(k_cache, span).unsqueeze(0).to(q.dtype)
+            values = _gather(v_cache, span).unsqueeze(0).to(q.dtype)
             # Token i of the chunk sits at position (context_len - num_tokens + i) and sees keys up to it.
             offset = span.context_len - span.num_tokens
             rows = torch.arange(span.num_tokens, device=q.device)[:, None] + offset

@@ -90,7 +90,7 @@ class CpuKernels:
         lib.tl_linear_bf16.restype = None
         lib.tl_linear_bf16_blocked.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
         lib.tl_linear_bf16_blocked.restype = None
-        lib.tl_decode_attention.argtypes = [ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
+        lib.tl_decode_attention.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
                                             ctypes.c_float]
         lib.tl_decode_attention.restype = None
         lib.tl_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
@@ -101,7 +101,7 @@ class CpuKernels:
         lib.tl_linear_q.restype = None
         lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
         lib.tl_dequantize_q.restype = None
-        lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
+        lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
                                             _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
         lib.tl_decode_layer_f32.restype = None
         self._lib = lib
@@ -186,11 +186,12 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """One query token per sequence attending to its paged cache. q [D, H, Dh];
-        caches [blocks, block_size, KVH, Dh]; block_tables [D, width] and context_lens [D] int64."""
+        caches [blocks, block_size, KVH, Dh] in q's dtype or bfloat16; block_tables [D, width] and
+        context_lens [D] int64."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        code = _DTYPE_CODES.get(q.dtype)
-        if code is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        code, kv_code = _DTYPE_CODES.get(q.dtype), kv_dtype_code(k_cache, v_cache, q.dtype)
+        if code is None or kv_code is None:
             raise ValueError(f"decode_attention supports float32 and bfloat16, got {q.dtype}/{k_cache.dtype}")
         if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("decode_attention needs heads-contiguous queries and contiguous caches")
@@ -200,7 +201,7 @@ class CpuKernels:
         lens = context_lens.contiguous()
         out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype)
         self._lib.tl_decode_attention(
-            code, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            code, kv_code, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
             block_size, max(1, max_context_len), scale,
         )
@@ -217,17 +218,26 @@ class CpuKernels:
             raise ValueError(f"decode_layer_f32_ takes 1..{DECODE_LAYER_MAX_ROWS} contiguous float32 rows")
         if hidden != w.input_norm.shape[0] or scratch.numel() < decode_layer_scratch(m, w) or w.head_dim % 2:
             raise ValueError("decode_layer_f32_: rows, weights or scratch do not fit")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
-            raise ValueError("decode_layer_f32_ needs contiguous float32 caches")
+        kv_code = kv_dtype_code(k_cache, v_cache, torch.float32)
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or kv_code is None:
+            raise ValueError("decode_layer_f32_ needs contiguous float32 or bfloat16 caches")
         if rows.cos.shape != (m, w.head_dim) or rows.slots.shape != (m,) or rows.block_tables.shape[0] != m:
             raise ValueError("decode_layer_f32_: the step's rows do not fit x")
         self._lib.tl_decode_layer_f32(
-            w.fmt, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
+            w.fmt, kv_code, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
             w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
             rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
             k_cache.shape[1], max(1, rows.max_context_len), 1.0 / math.sqrt(w.head_dim), scratch.data_ptr(),
         )
+
+
+def kv_dtype_code(k_cache: torch.Tensor, v_cache: torch.Tensor, q_dtype: torch.dtype) -> int | None:
+    """The kernels' code for a KV cache beside ``q_dtype`` queries: the queries' own dtype, or
+    bfloat16 beside float32 (``--kv-cache-dtype bfloat16``); None for any other pairing."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q_dtype, torch.bfloat16):
+        return None
+    return _DTYPE_CODES.get(k_cache.dtype)
 
 
 def _check_blocks(caller: str, blocks: torch.Tensor, code: int, n: int, k: int) -> None:

@@ -57,10 +57,12 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def make_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device
+        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ) -> list[Cache]:
         """One cache per layer: ``num_blocks`` paged KV blocks and ``num_state_slots`` state slots,
-        whose sizes :meth:`kv_bytes_per_token` and :meth:`state_bytes_per_sequence` state."""
+        whose sizes :meth:`kv_bytes_per_token` and :meth:`state_bytes_per_sequence` state. The KV is
+        held in ``kv_dtype`` (default ``dtype``), states always in ``dtype``."""
 
     # -- multi-token prediction --------------------------------------------------------------------
 

@@ -77,11 +77,12 @@ class LlamaForCausalLM(DecoderLM):
         return LlamaDecoderLayer(config)
 
     def make_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device
+        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ) -> list[Cache]:
         """One paged KV tensor per layer (no state slots)."""
         c = self.config
         return [
-            allocate_kv_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype, device)
+            allocate_kv_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, kv_dtype or dtype, device)
             for _ in range(c.num_hidden_layers)
         ]

@@ -66,8 +66,8 @@ def prefill_batched(
         )
     else:
         blocks, unwritten = _context_layout(spans, k_cache.shape[1], device)
-        keys = _padded_context(k_cache, blocks, unwritten, len(spans))
-        values = _padded_context(v_cache, blocks, unwritten, len(spans))
+        keys = _padded_context(k_cache, blocks, unwritten, len(spans)).to(q.dtype)  # a bfloat16 cache widened
+        values = _padded_context(v_cache, blocks, unwritten, len(spans)).to(q.dtype)
         # Token i of a span sits at position (context_len - num_tokens + i) and sees keys up to it.
         offsets = torch.tensor([s.context_len - s.num_tokens for s in spans], device=device)
         seen = torch.arange(longest, device=device)[None, :] + offsets[:, None]  # [B, Lq]

@@ -182,14 +182,15 @@ class Qwen3_5ForCausalLM(DecoderLM):
         return config.num_linear_attention_layers * DeltaNetShape.from_config(config).state_bytes(dtype_size)
 
     def make_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device
+        self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ) -> list[Cache]:
         """Per layer: a paged KV tensor (full attention) or (conv_state, recurrent_state) slots (DeltaNet)."""
         c = self.config
         return [
             layer.linear_attn.make_state(num_state_slots, dtype, device)
             if layer.layer_type == LINEAR
-            else allocate_kv_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype, device)
+            else allocate_kv_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, kv_dtype or dtype, device)
             for layer in self.layers
         ]
 

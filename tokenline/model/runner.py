@@ -32,10 +32,13 @@ class ModelRunner:
         config: ModelConfig | None = None,
         mtp_speculative_tokens: int = 0,
         quantization: str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: the paged KV cache's dtype (``--kv-cache-dtype``; default ``dtype``)."""
         self.config = config or ModelConfig.from_dir(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # --speculative mtp: the checkpoint's MTP head drafts inside each step (model/mtp_drafter.py).
         self.model = load_model(model_dir, self.config, dtype, self.device, mtp=mtp_speculative_tokens > 0,
@@ -50,9 +53,9 @@ class ModelRunner:
                                   self._prepare)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        per_token = type(self.model).kv_bytes_per_token(self.config, self.dtype.itemsize)
+        per_token = type(self.model).kv_bytes_per_token(self.config, self.kv_dtype.itemsize)
         if self.mtp is not None:  # the MTP layers' own KV lives in the same blocks
-            per_token += self.mtp.kv_bytes_per_token(self.dtype.itemsize)
+            per_token += self.mtp.kv_bytes_per_token(self.kv_dtype.itemsize)
         return per_token * block_size
 
     def state_bytes_per_sequence(self) -> int:
@@ -61,10 +64,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
         """The paged KV pool (full-attention layers) and, for hybrid models, the state slots (those
         of running sequences, then the state checkpoints: the engine numbers them alike)."""
-        self.kv_caches = self.model.make_caches(num_blocks, block_size, num_state_slots, self.dtype, self.device)
+        self.kv_caches = self.model.make_caches(num_blocks, block_size, num_state_slots, self.dtype, self.device,
+                                                self.kv_dtype)
         self.block_size = block_size
         if self.mtp is not None:
-            self.mtp.allocate(num_blocks, block_size, self.dtype, self.device)
+            self.mtp.allocate(num_blocks, block_size, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:

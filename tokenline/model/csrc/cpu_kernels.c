@@ -8,7 +8,9 @@
  *   every call at small M and reaches about half the memory bandwidth; this streams each weight
  *   row once and reuses it for all rows of x.
  * - tl_decode_attention: one query token per sequence against its paged KV cache, reading the
- *   blocks in place (no gather of the history into a padded copy, no mask).
+ *   blocks in place (no gather of the history into a padded copy, no mask). The cache is in the
+ *   queries' dtype, or bfloat16 beside float32 queries (--kv-cache-dtype bfloat16: rows widened
+ *   on the portable vector path).
  * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
  *   read in place and widened to floats in registers.
  * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
@@ -526,7 +528,7 @@ static inline const float *v8_row(int dtype, const void *cache, int64_t index, i
 }
 
 static inline __attribute__((always_inline)) void attend_item_v8(
-    int dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
+    int dtype, int kv_dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
     const int64_t *table, int64_t len, void *out, int64_t out_index, int64_t g0, int64_t kvn, const int64_t group,
     int64_t block_size, int64_t token_stride, float scale) {
     /* KV heads g0 .. g0+kvn of one sequence; query heads (g0 + g) * group + j are row g * group + j here. */
@@ -555,13 +557,13 @@ static inline __attribute__((always_inline)) void attend_item_v8(
             base[i] = (table[t / block_size] * block_size + t % block_size) * token_stride;
         }
         if (t0 + TL_V8_TILE < len) { /* the next tile's rows: blocks are scattered, so the prefetcher cannot guess them */
-            const int64_t t = t0 + TL_V8_TILE, bytes = kvn * Dh * (dtype == TL_FLOAT32 ? 4 : 2);
+            const int64_t kv_bytes = kv_dtype == TL_FLOAT32 ? 4 : 2, t = t0 + TL_V8_TILE, bytes = kvn * Dh * kv_bytes;
             const int64_t first = (table[t / block_size] * block_size + t % block_size) * token_stride + g0 * Dh;
             const int64_t rows = len - t < TL_V8_TILE ? len - t : TL_V8_TILE;
             const int64_t in_block = block_size - t % block_size < rows ? block_size - t % block_size : rows;
             for (int64_t i = 0; i < in_block; i++)
                 for (int64_t b = 0; b < bytes; b += 64) {
-                    const int64_t e = (first + i * token_stride) * (dtype == TL_FLOAT32 ? 4 : 2) + b;
+                    const int64_t e = (first + i * token_stride) * kv_bytes + b;
                     __builtin_prefetch((const char *)k_cache + e);
                     __builtin_prefetch((const char *)v_cache + e);
                 }
@@ -569,8 +571,8 @@ static inline __attribute__((always_inline)) void attend_item_v8(
         for (int64_t g = 0; g < kvn; g++) {
             const float *krow[TL_V8_TILE], *vrow[TL_V8_TILE];
             for (int64_t i = 0; i < TL_V8_TILE; i++) {
-                krow[i] = v8_row(dtype, k_cache, base[i] + (g0 + g) * Dh, Dh, kt[i]);
-                vrow[i] = v8_row(dtype, v_cache, base[i] + (g0 + g) * Dh, Dh, vt[i]);
+                krow[i] = v8_row(kv_dtype, k_cache, base[i] + (g0 + g) * Dh, Dh, kt[i]);
+                vrow[i] = v8_row(kv_dtype, v_cache, base[i] + (g0 + g) * Dh, Dh, vt[i]);
             }
             for (int64_t j = 0; j < group; j++) {
                 const int64_t h = g * group + j;
@@ -616,27 +618,27 @@ static inline __attribute__((always_inline)) void attend_item_v8(
 }
 
 /* The common shapes with their loop bounds known to the compiler. */
-static void attend_item_v8_dispatch(int dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
+static void attend_item_v8_dispatch(int dtype, int kv_dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
                                     const void *v_cache, const int64_t *table, int64_t len, void *out,
                                     int64_t out_index, int64_t g0, int64_t kvn, int64_t group, int64_t block_size,
                                     int64_t token_stride, float scale) {
 #define TL_V8_CASE(NV, G)                                                                                       \
     case NV * 64 + G:                                                                                           \
-        attend_item_v8(dtype, NV, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, G,          \
+        attend_item_v8(dtype, kv_dtype, NV, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, G,          \
                        block_size, token_stride, scale);                                                        \
         return;
     switch (nv * 64 + group) {
         TL_V8_CASE(8, 1) TL_V8_CASE(8, 2) TL_V8_CASE(8, 3) TL_V8_CASE(8, 4) TL_V8_CASE(8, 8)
         TL_V8_CASE(16, 1) TL_V8_CASE(16, 2) TL_V8_CASE(16, 4) TL_V8_CASE(16, 8)
     default:
-        attend_item_v8(dtype, nv, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, group,
+        attend_item_v8(dtype, kv_dtype, nv, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, group,
                        block_size, token_stride, scale);
     }
 #undef TL_V8_CASE
 }
 
 /* Portable path: one (sequence, KV head) at a time, scores kept whole, two passes. */
-static void decode_attention_item_generic(int dtype, const void *q, int64_t q_index, const void *k_cache,
+static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q, int64_t q_index, const void *k_cache,
                                           const void *v_cache, const int64_t *table, int64_t len, void *out,
                                           int64_t out_index, int64_t g, int64_t group, int64_t Dh,
                                           int64_t block_size, int64_t token_stride, float scale, float *scores,
@@ -647,7 +649,7 @@ static void decode_attention_item_generic(int dtype, const void *q, int64_t q_in
     }
     for (int64_t t = 0; t < len; t++) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        load_row(k_cache, slot * token_stride + g * Dh, Dh, dtype, row);
+        load_row(k_cache, slot * token_stride + g * Dh, Dh, kv_dtype, row);
         for (int64_t j = 0; j < group; j++) {
             const float *qj = qf + j * Dh;
             float s = 0.0f;
@@ -672,7 +674,7 @@ static void decode_attention_item_generic(int dtype, const void *q, int64_t q_in
     memset(acc, 0, (size_t)(group * Dh) * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        load_row(v_cache, slot * token_stride + g * Dh, Dh, dtype, row);
+        load_row(v_cache, slot * token_stride + g * Dh, Dh, kv_dtype, row);
         for (int64_t j = 0; j < group; j++) {
             const float p = scores[j * max_len + t];
             float *aj = acc + j * Dh;
@@ -691,14 +693,14 @@ static void decode_attention_item_generic(int dtype, const void *q, int64_t q_in
     }
 }
 
-void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *tables, int64_t width, const int64_t *lens, void *out, int64_t D, int64_t H,
                          int64_t KVH, int64_t Dh, int64_t block_size, int64_t max_len, float scale) {
     const int64_t group = H / KVH;
     const int64_t token_stride = KVH * Dh; /* elements between consecutive tokens of a block */
 #if defined(__AVX512F__)
     const int64_t nv = Dh / 16;
-    if (Dh % 16 == 0 && nv <= TL_MAX_DH16 && group * nv <= TL_MAX_QVEC) {
+    if (dtype == kv_dtype && Dh % 16 == 0 && nv <= TL_MAX_DH16 && group * nv <= TL_MAX_QVEC) {
         /* A work item is (sequence, run of its tokens, KV heads): all KV heads when their query
          * vectors fit, so each token's row streams whole. Few sequences are cut into runs of
          * whole blocks (split-K) so that every thread streams; the runs merge afterwards. */
@@ -785,7 +787,7 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
 #pragma omp parallel for schedule(dynamic, 1)
         for (int64_t item = 0; item < D * kv_items; item++) {
             const int64_t d = item / kv_items, g0 = item % kv_items * kvn;
-            attend_item_v8_dispatch(dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
+            attend_item_v8_dispatch(dtype, kv_dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
                                     tables + d * width, lens[d], out, (d * H + g0 * group) * Dh, g0, kvn, group,
                                     block_size, token_stride, scale);
         }
@@ -801,7 +803,7 @@ void tl_decode_attention(int dtype, const void *q, int64_t q_stride, const void 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < D * KVH; item++) {
             const int64_t d = item / KVH, g = item % KVH;
-            decode_attention_item_generic(dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache,
+            decode_attention_item_generic(dtype, kv_dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache,
                                           tables + d * width, lens[d], out, (d * H + g * group) * Dh, g, group, Dh,
                                           block_size, token_stride, scale, scores, qf, acc, row, max_len);
         }
@@ -1315,10 +1317,10 @@ static void rms_norm_f32(const float *x, const float *weight, float *out, int64_
     }
 }
 
-void tl_decode_layer_f32(int wfmt, float *x, int64_t M, int64_t H, float eps, const float *ln1, const void *w_qkv,
+void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H, float eps, const float *ln1, const void *w_qkv,
                          const void *w_o, const float *ln2, const void *w_gate_up, const void *w_down,
                          int64_t I, int64_t heads, int64_t kv_heads, int64_t Dh, const float *cos, const float *sin,
-                         float *k_cache, float *v_cache, const int64_t *slots, const int64_t *tables, int64_t width,
+                         void *k_cache, void *v_cache, const int64_t *slots, const int64_t *tables, int64_t width,
                          const int64_t *lens, int64_t block_size, int64_t max_len, float scale, float *scratch) {
     const int64_t q_width = heads * Dh, kv_width = kv_heads * Dh, qkv_width = q_width + 2 * kv_width;
     float *h = scratch;                  /* [M, H] normed rows */
@@ -1341,10 +1343,18 @@ void tl_decode_layer_f32(int wfmt, float *x, int64_t M, int64_t H, float eps, co
             }
         }
         const float *k = qkv + m * qkv_width + q_width;
-        memcpy(k_cache + slots[m] * kv_width, k, (size_t)kv_width * sizeof(float));
-        memcpy(v_cache + slots[m] * kv_width, k + kv_width, (size_t)kv_width * sizeof(float));
+        if (kv_dtype == TL_BFLOAT16) {
+            uint16_t *kc = (uint16_t *)k_cache + slots[m] * kv_width, *vc = (uint16_t *)v_cache + slots[m] * kv_width;
+            for (int64_t i = 0; i < kv_width; i++) {
+                kc[i] = f32_to_bf16(k[i]);
+                vc[i] = f32_to_bf16(k[kv_width + i]);
+            }
+        } else {
+            memcpy((float *)k_cache + slots[m] * kv_width, k, (size_t)kv_width * sizeof(float));
+            memcpy((float *)v_cache + slots[m] * kv_width, k + kv_width, (size_t)kv_width * sizeof(float));
+        }
     }
-    tl_decode_attention(TL_FLOAT32, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
+    tl_decode_attention(TL_FLOAT32, kv_dtype, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
                         Dh, block_size, max_len, scale);
     layer_linear(wfmt, attn, w_o, x, M, H, q_width, 1, xs);
 
