@@ -161,7 +161,7 @@ def render_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> s
               ("- Peak RSS: the sum of VmRSS over the server's process tree, sampled every 0.2 s from /proc over "
                "start-up and load (pages shared between its processes count once per process). Cold start: "
                "launch until `GET /health` answers 200."),
-              "- tokenline and vLLM serve the bfloat16 HF weights; llama.cpp the original Q4_1 GGUF.",
+              "- Models: " + "; ".join(f"{name}: {result.get('model') or '?'}" for name, result in results.items()) + ".",
               "- Command lines, environments and every client's own JSON: results.json and the files beside it.",
               ""]
     return "\n".join(lines)
