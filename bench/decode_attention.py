@@ -66,13 +66,28 @@ def old_kernels(rev: str) -> cpu_kernels.CpuKernels | None:
         return None
     # Bind only the attention entry point: an old library may lack later kernels.
     kernels = cpu_kernels.CpuKernels.__new__(cpu_kernels.CpuKernels)
-    kernels._lib = ctypes.CDLL(str(library))
+    lib = ctypes.CDLL(str(library))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64  # as CpuKernels binds it
-    kernels._lib.tl_decode_attention.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, *[i64] * 6,
-                                                 ctypes.c_float]
-    kernels._lib.tl_decode_attention.restype = None
+    # Since --kv-cache-dtype the entry point takes the KV dtype after the queries' one.
+    two_dtypes = "tl_decode_attention(int dtype, int kv_dtype" in source
+    lib.tl_decode_attention.argtypes = [ctypes.c_int, *([ctypes.c_int] if two_dtypes else []), ptr, i64, ptr, ptr,
+                                        ptr, i64, ptr, ptr, *[i64] * 6, ctypes.c_float]
+    lib.tl_decode_attention.restype = None
+    kernels._lib = lib if two_dtypes else _OneDtype(lib)
     kernels.path = library
     return kernels
+
+
+class _OneDtype:
+    """An old library's tl_decode_attention called as the new one: the KV dtype (always the
+    queries' here) dropped."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def tl_decode_attention(self, dtype: int, kv_dtype: int, *args: object) -> None:
+        assert kv_dtype == dtype, "a kernel before --kv-cache-dtype reads caches in the queries' dtype"
+        self._lib.tl_decode_attention(dtype, *args)
 
 
 def torch_decode(q, k_cache, v_cache, tables, lens, max_len, scale):

@@ -529,9 +529,11 @@ static inline const float *v8_row(int dtype, const void *cache, int64_t index, i
 
 static inline __attribute__((always_inline)) void attend_item_v8(
     int dtype, int kv_dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
-    const int64_t *table, int64_t len, void *out, int64_t out_index, int64_t g0, int64_t kvn, const int64_t group,
-    int64_t block_size, int64_t token_stride, float scale) {
-    /* KV heads g0 .. g0+kvn of one sequence; query heads (g0 + g) * group + j are row g * group + j here. */
+    const int64_t *table, int64_t start, int64_t len, void *out, int64_t out_index, int64_t g0, int64_t kvn,
+    const int64_t group, int64_t block_size, int64_t token_stride, float scale, float *partial) {
+    /* Tokens [start, len) against KV heads g0 .. g0+kvn of one sequence; query heads (g0 + g) * group + j
+     * are row g * group + j here. With `partial`, leave each head's (m, l, unnormalised acc[Dh]) there
+     * for a merge with the sequence's other runs instead of writing out. */
     const int64_t Dh = nv * 8, heads = kvn * group;
     tl_v8 qv[TL_V8_MAX_VECS], acc[TL_V8_MAX_VECS];
     float m[TL_V8_MAX_HEADS], l[TL_V8_MAX_HEADS];
@@ -548,7 +550,7 @@ static inline __attribute__((always_inline)) void attend_item_v8(
         l[h] = 0.0f;
     }
     const tl_v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t t0 = 0; t0 < len; t0 += TL_V8_TILE) {
+    for (int64_t t0 = start; t0 < len; t0 += TL_V8_TILE) {
         const int64_t n = len - t0 < TL_V8_TILE ? len - t0 : TL_V8_TILE;
         const tl_v8i valid = lane < (tl_v8i){0} + (int32_t)n;
         int64_t base[TL_V8_TILE];
@@ -604,7 +606,13 @@ static inline __attribute__((always_inline)) void attend_item_v8(
             }
         }
     }
-    for (int64_t h = 0; h < heads; h++) {
+    for (int64_t h = 0; h < heads && partial; h++) {
+        float *rec = partial + h * (Dh + 2);
+        rec[0] = m[h];
+        rec[1] = l[h];
+        for (int64_t c = 0; c < nv; c++) *(tl_v8u *)(rec + 2 + 8 * c) = acc[h * nv + c];
+    }
+    for (int64_t h = 0; h < heads && !partial; h++) {
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
         const int64_t o = out_index + h * Dh;
         for (int64_t c = 0; c < nv; c++) {
@@ -619,20 +627,20 @@ static inline __attribute__((always_inline)) void attend_item_v8(
 
 /* The common shapes with their loop bounds known to the compiler. */
 static void attend_item_v8_dispatch(int dtype, int kv_dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
-                                    const void *v_cache, const int64_t *table, int64_t len, void *out,
+                                    const void *v_cache, const int64_t *table, int64_t start, int64_t len, void *out,
                                     int64_t out_index, int64_t g0, int64_t kvn, int64_t group, int64_t block_size,
-                                    int64_t token_stride, float scale) {
+                                    int64_t token_stride, float scale, float *partial) {
 #define TL_V8_CASE(NV, G)                                                                                       \
     case NV * 64 + G:                                                                                           \
-        attend_item_v8(dtype, kv_dtype, NV, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, G,          \
-                       block_size, token_stride, scale);                                                        \
+        attend_item_v8(dtype, kv_dtype, NV, q, q_index, k_cache, v_cache, table, start, len, out, out_index, g0, kvn, \
+                       G, block_size, token_stride, scale, partial);                                            \
         return;
     switch (nv * 64 + group) {
         TL_V8_CASE(8, 1) TL_V8_CASE(8, 2) TL_V8_CASE(8, 3) TL_V8_CASE(8, 4) TL_V8_CASE(8, 8)
         TL_V8_CASE(16, 1) TL_V8_CASE(16, 2) TL_V8_CASE(16, 4) TL_V8_CASE(16, 8)
     default:
-        attend_item_v8(dtype, kv_dtype, nv, q, q_index, k_cache, v_cache, table, len, out, out_index, g0, kvn, group,
-                       block_size, token_stride, scale);
+        attend_item_v8(dtype, kv_dtype, nv, q, q_index, k_cache, v_cache, table, start, len, out, out_index, g0, kvn,
+                       group, block_size, token_stride, scale, partial);
     }
 #undef TL_V8_CASE
 }
@@ -781,15 +789,56 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
     if (Dh % 8 == 0 && Dh / 8 <= TL_V8_MAX_NV && group * (Dh / 8) <= TL_V8_MAX_VECS && group <= TL_V8_MAX_HEADS) {
         /* A work item is a sequence's KV heads: all of them (each token's row streams whole) when
          * there are sequences enough to keep every thread busy and their query vectors fit. */
-        const int64_t nv = Dh / 8;
-        const int kv_all = D >= 2 * omp_get_max_threads() && H * nv <= TL_V8_MAX_VECS && H <= TL_V8_MAX_HEADS;
+        const int64_t nv = Dh / 8, threads = omp_get_max_threads();
+        const int kv_all = D >= 2 * threads && H * nv <= TL_V8_MAX_VECS && H <= TL_V8_MAX_HEADS;
         const int64_t kvn = kv_all ? KVH : 1, kv_items = KVH / kvn;
+        /* Few (sequence, KV head) items for the threads (batch 1: three KV heads on two threads):
+         * cut each sequence into runs of whole blocks, as the AVX-512 path does, and merge them. */
+        int64_t chunks = 1;
+        if (D * kv_items < 2 * threads) {
+            const int64_t by_threads = (2 * threads + D * kv_items - 1) / (D * kv_items);
+            const int64_t by_length = (max_len + 4 * block_size - 1) / (4 * block_size); /* >= 4 blocks a run */
+            chunks = by_threads < by_length ? by_threads : by_length;
+            chunks = chunks > 1 ? chunks : 1;
+        }
+        const int64_t run = ((max_len + block_size - 1) / block_size + chunks - 1) / chunks * block_size;
+        const int64_t heads = kvn * group, items = D * kv_items * chunks;
+        float *partial = chunks > 1 ? (float *)malloc((size_t)(items * heads * (Dh + 2)) * sizeof(float)) : NULL;
+        if (chunks > 1 && !partial) chunks = 1; /* no room to merge: whole sequences, as before */
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t item = 0; item < D * kv_items; item++) {
-            const int64_t d = item / kv_items, g0 = item % kv_items * kvn;
+        for (int64_t item = 0; item < D * kv_items * chunks; item++) {
+            const int64_t d = item / (kv_items * chunks), g0 = item / chunks % kv_items * kvn, chunk = item % chunks;
+            const int64_t t0 = chunk * run, t1 = chunks == 1 || t0 + run > lens[d] ? lens[d] : t0 + run;
             attend_item_v8_dispatch(dtype, kv_dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
-                                    tables + d * width, lens[d], out, (d * H + g0 * group) * Dh, g0, kvn, group,
-                                    block_size, token_stride, scale);
+                                    tables + d * width, t0 < t1 ? t0 : t1, t1, out, (d * H + g0 * group) * Dh, g0,
+                                    kvn, group, block_size, token_stride, scale,
+                                    chunks > 1 ? partial + item * heads * (Dh + 2) : NULL);
+        }
+        if (chunks > 1) {
+            /* Each head's runs rescaled to their common max and summed: a few rows. */
+            for (int64_t dh = 0; dh < D * H; dh++) {
+                const int64_t d = dh / H, h = dh % H, kv_item = h / heads, hi = h % heads;
+                const float *first = partial + (d * kv_items + kv_item) * chunks * heads * (Dh + 2);
+                float mx = -INFINITY, total = 0.0f, sum[TL_V8_MAX_NV * 8];
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float mc = first[(c * heads + hi) * (Dh + 2)];
+                    mx = mc > mx ? mc : mx;
+                }
+                for (int64_t i = 0; i < Dh; i++) sum[i] = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *rec = first + (c * heads + hi) * (Dh + 2);
+                    if (rec[1] == 0.0f) continue; /* a run past this sequence's end */
+                    const float w = exp_nonpositive(rec[0] - mx);
+                    total += w * rec[1];
+                    for (int64_t i = 0; i < Dh; i++) sum[i] += w * rec[2 + i];
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t i = 0; i < Dh; i++) {
+                    if (dtype == TL_BFLOAT16) ((uint16_t *)out)[dh * Dh + i] = f32_to_bf16(sum[i] * inv);
+                    else ((float *)out)[dh * Dh + i] = sum[i] * inv;
+                }
+            }
+            free(partial);
         }
         return;
     }
@@ -1136,6 +1185,10 @@ static inline __attribute__((always_inline)) void qgemv_tile(const int fmt, cons
     for (int64_t b = 0; b < nb; b++) {
         for (int j = 0; j < NT; j++) {
             const uint8_t *blk = w + (n0 + j) * row_bytes + b * bb;
+            /* Two tiles ahead in row j's stream (rows are contiguous): a row is a few hundred bytes,
+             * too short for the hardware prefetchers to ramp up, and a head of 30 MB read without
+             * this ran at a third of the bandwidth. */
+            __builtin_prefetch(blk + 2 * NT * row_bytes);
             __m256 q[4];
             block_codes(fmt, blk, q);
             const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
