@@ -701,6 +701,16 @@ static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q
     }
 }
 
+/* Runs each sequence is cut into when `items` (sequence, KV heads) work items are too few for
+ * `threads` (two items a thread wanted), each run at least four blocks long; 1: no split. */
+static int64_t split_runs(int64_t items, int64_t threads, int64_t max_len, int64_t block_size) {
+    if (items >= 2 * threads) return 1;
+    const int64_t by_threads = (2 * threads + items - 1) / items;
+    const int64_t by_length = (max_len + 4 * block_size - 1) / (4 * block_size);
+    const int64_t chunks = by_threads < by_length ? by_threads : by_length;
+    return chunks > 1 ? chunks : 1;
+}
+
 void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *tables, int64_t width, const int64_t *lens, void *out, int64_t D, int64_t H,
                          int64_t KVH, int64_t Dh, int64_t block_size, int64_t max_len, float scale) {
@@ -716,13 +726,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
         const int64_t kv_per_item = H * nv <= TL_MAX_QVEC ? KVH : 1;
         const int64_t kv_items = KVH / kv_per_item;
         const int64_t heads = kv_per_item * group;
-        int64_t chunks = 1;
-        if (D * kv_items < 2 * threads) {
-            const int64_t by_threads = (2 * threads + D * kv_items - 1) / (D * kv_items);
-            const int64_t by_length = (max_len + 4 * block_size - 1) / (4 * block_size); /* >= 4 blocks a run */
-            chunks = by_threads < by_length ? by_threads : by_length;
-            chunks = chunks > 1 ? chunks : 1;
-        }
+        int64_t chunks = split_runs(D * kv_items, threads, max_len, block_size);
         const int64_t blocks_per_chunk = ((max_len + block_size - 1) / block_size + chunks - 1) / chunks;
         const int64_t items = D * kv_items * chunks;
         /* Split runs leave (m, l, acc[Dh]) per head for the merge. */
@@ -794,13 +798,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
         const int64_t kvn = kv_all ? KVH : 1, kv_items = KVH / kvn;
         /* Few (sequence, KV head) items for the threads (batch 1: three KV heads on two threads):
          * cut each sequence into runs of whole blocks, as the AVX-512 path does, and merge them. */
-        int64_t chunks = 1;
-        if (D * kv_items < 2 * threads) {
-            const int64_t by_threads = (2 * threads + D * kv_items - 1) / (D * kv_items);
-            const int64_t by_length = (max_len + 4 * block_size - 1) / (4 * block_size); /* >= 4 blocks a run */
-            chunks = by_threads < by_length ? by_threads : by_length;
-            chunks = chunks > 1 ? chunks : 1;
-        }
+        int64_t chunks = split_runs(D * kv_items, threads, max_len, block_size);
         const int64_t run = ((max_len + block_size - 1) / block_size + chunks - 1) / chunks * block_size;
         const int64_t heads = kvn * group, items = D * kv_items * chunks;
         float *partial = chunks > 1 ? (float *)malloc((size_t)(items * heads * (Dh + 2)) * sizeof(float)) : NULL;
