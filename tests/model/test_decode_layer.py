@@ -77,6 +77,17 @@ def _fused(layer: LlamaDecoderLayer, x: torch.Tensor, cos_sin, kv: torch.Tensor,
     return out
 
 
+def _both_paths(layer: LlamaDecoderLayer, x: torch.Tensor, positions: torch.Tensor, cos_sin, kv: torch.Tensor,
+                meta: AttentionMetadata):
+    """The torch layer and the fused kernel, each on its own copy of the cache ``kv``:
+    (torch output, fused output, torch's cache, the kernel's cache)."""
+    kv_torch, kv_fused = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
+        got = _fused(layer, x, cos_sin, kv_fused, meta)
+    return expected, got, kv_torch, kv_fused
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize(
@@ -91,10 +102,7 @@ def test_fused_layer_matches_torch_layer(rows: int, shape: tuple[int, ...]) -> N
     x, positions, kv, meta = _decode_step(config, rows, generator)
     rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
     cos_sin = rotary.lookup(positions, torch.float32)
-    kv_torch, kv_fused = kv.clone(), kv.clone()
-    with torch.inference_mode():
-        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
-        got = _fused(layer, x, cos_sin, kv_fused, meta)
+    expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv, meta)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # float32, another summation order
     torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)  # the rotated K and V written
     # The inputs make every part matter: a step one position off (RoPE) or without the residual
@@ -122,10 +130,7 @@ def test_fused_layer_reads_quantized_blocks_like_the_torch_layer(fmt: str, rows:
     weights.check()
     x, positions, kv, meta = _decode_step(config, rows, generator)
     cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.float32)
-    kv_torch, kv_fused = kv.clone(), kv.clone()
-    with torch.inference_mode():
-        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
-        got = _fused(layer, x, cos_sin, kv_fused, meta)
+    expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv, meta)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)
     assert ((got - x) - expected).abs().max() > 1e-1  # the residual matters at this tolerance
@@ -140,10 +145,8 @@ def test_fused_layer_with_a_bfloat16_cache_matches_the_torch_layer(rows: int) ->
     layer = _random_layer(config, generator)
     x, positions, kv, meta = _decode_step(config, rows, generator)
     cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.float32)
-    kv_torch, kv_fused = kv.bfloat16(), kv.bfloat16()
+    expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv.bfloat16(), meta)
     with torch.inference_mode():
-        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
-        got = _fused(layer, x, cos_sin, kv_fused, meta)
         float_cache = layer(x.clone(), positions, cos_sin, kv.clone(), meta)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # The new rows: one bfloat16 rounding of K/V computed in another summation order.
