@@ -109,6 +109,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype {self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
@@ -214,8 +216,6 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
                         model_config.max_position_embeddings)
     dtype = resolve_dtype(config.dtype, config.device)
     mtp_tokens = config.num_speculative_tokens if config.speculative == "mtp" else 0
-    if config.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv cache dtype {config.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
     kv_dtype = None if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, config.device)
     runner = ModelRunner(model_dir, dtype, config.device, max_model_len, vocab_size, model_config, mtp_tokens,
                          config.quantization, kv_dtype)
