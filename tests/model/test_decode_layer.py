@@ -10,7 +10,7 @@ import torch
 
 from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata
-from tokenline.model.batch import ScheduledBatch, ScheduledSeq
+from tokenline.model.batch import FUSED_DECODE_ROWS, ScheduledBatch, ScheduledSeq
 from tokenline.model.config import ModelConfig
 from tokenline.model.layers import Attention, RMSNorm, RotaryEmbedding
 from tokenline.model.llama import LlamaDecoderLayer
@@ -181,13 +181,15 @@ def test_decode_layer_rejects_rows_that_do_not_fit() -> None:
     with pytest.raises(ValueError):
         kernels.decode_layer_f32_(x, weights, rows, kv[0], kv[1], scratch[:10])
     with pytest.raises(ValueError):
-        kernels.decode_layer_f32_(torch.randn(5, 64), weights, rows, kv[0], kv[1], scratch)  # over the row cap
+        over = cpu_kernels.DECODE_LAYER_MAX_ROWS + 1  # over the row cap
+        kernels.decode_layer_f32_(torch.randn(over, 64), weights, rows, kv[0], kv[1], scratch)
 
 
 @needs_kernels
 def test_model_decode_steps_agree_with_the_torch_path(default_model_dir: Path) -> None:
-    """The real default model at batch 1, 4 (the cap) and 6 (beyond it, the torch path): the fused
-    steps pick the same greedy tokens as the torch path."""
+    """The real default model: prompts prefilled and decoded at batch 1, 4 and 9 through the fused
+    layers (every step of at most FUSED_DECODE_ROWS tokens: the prefill chunks too, whose tokens
+    attend up to their own positions) pick the same greedy tokens as the torch path."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a shared box each two-thread region waits for a descheduled thread
     try:
@@ -198,20 +200,21 @@ def test_model_decode_steps_agree_with_the_torch_path(default_model_dir: Path) -
 
 def _compare_paths(runner: ModelRunner) -> None:
     per_seq = 8
-    runner.allocate_kv_cache(2 * 6 * per_seq, BLOCK_SIZE)
+    runner.allocate_kv_cache(2 * 9 * per_seq, BLOCK_SIZE)
     model = runner.model
-    assert model.fused_decode_rows == cpu_kernels.DECODE_LAYER_MAX_ROWS
+    assert model.fused_decode_rows == FUSED_DECODE_ROWS
     sp = SamplingParams(temperature=0.0, max_tokens=64).with_defaults()
     generator = torch.Generator().manual_seed(3)
-    for batch in (1, 4, 6):
+    for batch, (shortest, longest) in ((1, (5, 31)), (4, (3, 8)), (9, (5, 12))):
         prompts = [torch.randint(100, 40000, (int(n),), generator=generator).tolist()
-                   for n in torch.randint(5, 40, (batch,), generator=generator)]
+                   for n in torch.randint(shortest, longest + 1, (batch,), generator=generator)]
         outputs = {}
-        for path, fused_rows in (("torch", 0), ("fused", cpu_kernels.DECODE_LAYER_MAX_ROWS)):
+        for path, fused_rows in (("torch", 0), ("fused", FUSED_DECODE_ROWS)):
             model.fused_decode_rows = fused_rows
-            base = 0 if path == "torch" else 6 * per_seq
+            base = 0 if path == "torch" else 9 * per_seq
             tables = [list(range(base + i * per_seq, base + (i + 1) * per_seq)) for i in range(batch)]
             seqs = [list(p) for p in prompts]
+            assert (sum(map(len, seqs)) <= FUSED_DECODE_ROWS) == (batch < 9)  # the prefill of 9 is too long
             runner.execute(ScheduledBatch([ScheduledSeq(f"s{i}", s, 0, tables[i], True, sp)
                                            for i, s in enumerate(seqs)]))
             for _ in range(8):
@@ -221,3 +224,61 @@ def _compare_paths(runner: ModelRunner) -> None:
                     s.append(out[f"s{i}"].token_id)
             outputs[path] = seqs
         assert outputs["fused"] == outputs["torch"], f"batch {batch}"
+
+
+@needs_kernels
+def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path) -> None:
+    """One step of 1 decode row, a draft run (1 + 6 tokens, two drafts wrong) and a prompt chunk after
+    a cached prefix, 12 tokens in all: the fused layers (every token a decode query up to its own
+    position) and the torch path pick the same greedy token at every position, and the fused run
+    really took the one-call layers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = ModelRunner(default_model_dir, torch.float32)
+        per_seq = 4
+        runner.allocate_kv_cache(2 * 3 * per_seq, BLOCK_SIZE)
+        model = runner.model
+        sp = SamplingParams(temperature=0.0, max_tokens=64).with_defaults()
+        generator = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (9, 14, 20)]
+        calls = []
+        fused_layers = model._fused_layers_or_none()
+        assert fused_layers is not None
+        kernels = fused_layers[0]
+        original = kernels.decode_layer_f32_
+
+        def counting(x: torch.Tensor, *args: object) -> None:
+            calls.append(x.shape[0])
+            original(x, *args)
+
+        outputs = {}
+        for path, fused_rows in (("torch", 0), ("fused", FUSED_DECODE_ROWS)):
+            base = 0 if path == "torch" else 3 * per_seq
+            tables = [list(range(base + i * per_seq, base + (i + 1) * per_seq)) for i in range(3)]
+            model.fused_decode_rows = 0  # the same set-up on both sides: prompts through the torch path
+            first = runner.execute(ScheduledBatch([
+                ScheduledSeq("a", prompts[0], 0, tables[0], True, sp),
+                ScheduledSeq("b", prompts[1], 0, tables[1], True, sp),
+                ScheduledSeq("c", prompts[2][:16], 0, tables[2], False, sp),
+            ]))
+            a_next, b_next = first["a"].token_id, first["b"].token_id
+            drafts = [b_next, 101, 202, b_next, 303, 404]  # the first is wrong at once, and so on
+            model.fused_decode_rows = fused_rows
+            kernels.decode_layer_f32_ = counting  # type: ignore[method-assign]
+            try:
+                out = runner.execute(ScheduledBatch([
+                    ScheduledSeq("a", [a_next], len(prompts[0]), tables[0], True, sp),
+                    ScheduledSeq("b", [b_next, *drafts], len(prompts[1]), tables[1], True, sp,
+                                 draft_token_ids=drafts),
+                    ScheduledSeq("c", prompts[2][16:], 16, tables[2], True, sp),
+                ]))
+            finally:
+                kernels.decode_layer_f32_ = original  # type: ignore[method-assign]
+            outputs[path] = {k: (v.token_id, v.draft_targets) for k, v in out.items()}
+            assert calls == ([12] * len(model.layers) if path == "fused" else [])
+            calls.clear()
+        assert outputs["fused"] == outputs["torch"]
+        assert len(outputs["fused"]["b"][1]) == 6
+    finally:
+        torch.set_num_threads(threads)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tokenline.model.batch import ScheduledBatch, ScheduledSeq
+from tokenline.model.batch import FUSED_DECODE_ROWS, ScheduledBatch, ScheduledSeq
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.step_model import StepFeatures, StepModel, batch_features, fit_step_model
 
@@ -74,14 +74,18 @@ def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() 
 
 
 def test_the_fused_decode_regime_has_its_own_step_price() -> None:
-    """Pure decode steps of up to FUSED_DECODE_ROWS rows run the engine's one-call layer; anything
-    else pays the torch operators' dispatch (f)."""
-    assert [StepFeatures(0, n, 10).unfused for n in (0, 1, 4, 5, 32)] == [1, 0, 0, 1, 1]
-    assert StepFeatures(16, 1, 10).unfused == 1  # a prefill chunk beside one decode row
-    # Synthetic steps where batch 4 costs 30 ms and batch 5 costs 60 ms: a smooth curve alone misfits
-    # both sides of the jump, the term takes it.
+    """Steps of up to FUSED_DECODE_ROWS tokens (decode rows, prefill chunks and drafts alike) run the
+    engine's one-call layer; anything longer pays the torch operators' dispatch (f)."""
+    cap = FUSED_DECODE_ROWS
+    assert [StepFeatures(0, n, 10).unfused for n in (0, 1, 4, cap, cap + 1)] == [1, 0, 0, 0, 1]
+    assert StepFeatures(16, 1, 10).unfused == 0  # a short prefill chunk beside one decode row
+    assert StepFeatures(cap, 1, 10).unfused == 1  # one token too many
+    assert StepFeatures(0, 0, 0).unfused == 1  # no tokens: nothing runs fused
+    # Synthetic steps where a step of `cap` tokens costs the fused price and one more token adds the
+    # dispatch: a smooth curve alone misfits both sides of the jump, the term takes it.
     truth = StepModel(a=0.005, b=0.001, c=0.004, d=1e-6, e=0.0, f=0.025)
-    features = [StepFeatures(p, n, 100 * n) for p in (0, 0, 32) for n in range(1, 17)]
+    features = [StepFeatures(p, n, 100 * n) for p in (0, 8, cap) for n in range(1, cap + 9, 3)]
     fit = fit_step_model(features, [truth.predict(f) for f in features])
     assert fit.f == pytest.approx(0.025, rel=1e-6) and fit.residual_rms_s < 1e-9
-    assert fit.predict(StepFeatures(0, 5, 500)) - fit.predict(StepFeatures(0, 4, 400)) == pytest.approx(0.025 + 0.004 + 1e-4)
+    jump = fit.predict(StepFeatures(0, cap + 1, 100 * (cap + 1))) - fit.predict(StepFeatures(0, cap, 100 * cap))
+    assert jump == pytest.approx(0.025 + 0.004 + 1e-4)

@@ -47,6 +47,13 @@ class AttentionMetadata:
     max_decode_context_len: int = 0
     decode_state_slots: torch.Tensor | None = None  # [D] int64: hybrid models' recurrent-state slots
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Every token of the step as a decode query (its sequence's table, the positions it attends to,
+    # itself included): set by the runner for steps small enough for the model's one-call decode
+    # layers (DecoderLM.fused_decode_rows), which then take prefill chunks and drafts too. A pure
+    # decode step shares the decode_* tensors.
+    token_block_tables: torch.Tensor | None = None  # [T, max_blocks] int64, padded with block 0
+    token_context_lens: torch.Tensor | None = None  # [T] int64
+    max_token_context_len: int = 0
     # Filled by the forward: one ``gated_deltanet.PendingStates`` per linear layer with ``drafts``
     # spans; the runner commits them once acceptance is known.
     pending_states: list[Any] = field(default_factory=list)

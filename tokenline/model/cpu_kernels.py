@@ -97,6 +97,8 @@ class CpuKernels:
         lib.tl_rms_norm_bf16.restype = None
         lib.tl_rotary_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I]
         lib.tl_rotary_bf16.restype = None
+        lib.tl_linear_f32.argtypes = [_P, _P, _P, _I, _I, _I]
+        lib.tl_linear_f32.restype = None
         lib.tl_linear_q.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _I]
         lib.tl_linear_q.restype = None
         lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
@@ -131,6 +133,19 @@ class CpuKernels:
             raise ValueError(f"linear_bf16_blocked: {tiles.numel()} packed values do not hold a [{n}, {k}] weight")
         y = torch.empty((m, n), dtype=torch.bfloat16)
         self._lib.tl_linear_bf16_blocked(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, n, k, block_n, pairs)
+        return y
+
+    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` in float32 for a few rows; x [M, K] and weight [N, K] contiguous float32.
+        Each output is one dot product summed in a fixed order, whatever M."""
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.dim() != 2:
+            raise ValueError("linear_f32 takes 2-D float32 activations and weights")
+        if not (x.is_contiguous() and weight.is_contiguous()) or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"linear_f32: shapes {tuple(x.shape)} x {tuple(weight.shape)} or layout do not fit")
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._lib.tl_linear_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
     def linear_q(self, x: torch.Tensor, blocks: torch.Tensor, code: int, n: int) -> torch.Tensor:
@@ -306,7 +321,7 @@ class DecodeRows:
     max_context_len: int
 
 
-DECODE_LAYER_MAX_ROWS = 4  # TL_LAYER_MAX_ROWS in the C file
+DECODE_LAYER_MAX_ROWS = 64  # the most rows one decode_layer_f32_ call takes (its scratch is sized for them)
 
 
 @functools.cache

@@ -6,9 +6,12 @@ it also sets the norm class and the rotary width. Every layer is called the same
 ``layer(x, positions, cos_sin, cache, meta) -> x``, whatever mixes its tokens (attention over the
 paged KV cache, a recurrent layer over its state slot).
 
-A float32 decode step of a few rows skips that: when every layer offers ``decode_weights()``
+A float32 step of a few dozen tokens skips that: when every layer offers ``decode_weights()``
 (plain Llama layers), each runs as one C call (cpu_kernels.decode_layer_f32_), since at batch 1
-dispatching ~25 torch operators a layer costs as much as reading its weights.
+dispatching ~25 torch operators a layer costs as much as reading its weights. Every token is a
+decode query there (the runner's per-token tables, AttentionMetadata.token_block_tables): a decode
+row, or a token of a prefill chunk or of a draft run, attending up to its own position; the layer
+writes all the step's K/V before any row attends.
 """
 
 from __future__ import annotations
@@ -81,9 +84,9 @@ class DecoderLM(CausalLM):
     def _fused_decode(self, x: torch.Tensor, cos_sin: RotaryRows, caches: list[Cache], meta: AttentionMetadata) -> bool:
         """Run every layer on x in place through the one-call decode kernel, if this step and model allow it."""
         rows = x.shape[0]
-        if (not 1 <= rows <= self.fused_decode_rows or meta.num_decode_tokens != rows or meta.prefills
-                or x.dtype != torch.float32 or x.device.type != "cpu" or meta.decode_context_lens is None
-                or meta.decode_block_tables is None or not x.is_contiguous()):
+        if (not 1 <= rows <= self.fused_decode_rows or meta.token_context_lens is None
+                or meta.token_block_tables is None or meta.token_context_lens.shape[0] != rows
+                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()):
             return False
         fused = self._fused_layers_or_none()
         if fused is None:
@@ -92,8 +95,8 @@ class DecoderLM(CausalLM):
         cos, sin = (t.reshape(rows, -1) for t in cos_sin)
         if cos.shape[-1] != weights[0].head_dim:  # partial rotary
             return False
-        step = cpu_kernels.DecodeRows(cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.decode_block_tables,
-                                      meta.decode_context_lens, meta.max_decode_context_len)
+        step = cpu_kernels.DecodeRows(cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.token_block_tables,
+                                      meta.token_context_lens, meta.max_token_context_len)
         for w, cache in zip(weights, caches, strict=True):
             kernels.decode_layer_f32_(x, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
         return True

@@ -134,6 +134,11 @@ class ModelRunner:
         decode_lens: list[int] = []
         decode_slots: list[int] = []
         prefills: list[PrefillSpan] = []
+        # Every token as a decode query (table, context length), for the model's one-call decode
+        # layers when the step is small enough for them (see AttentionMetadata.token_block_tables).
+        per_token = sum(s.num_tokens for s in seqs) <= getattr(self.model, "fused_decode_rows", 0)
+        token_tables: list[list[int]] = []
+        token_lens: list[int] = []
         for seq in seqs:
             start = len(token_ids)
             n = seq.num_tokens
@@ -149,6 +154,12 @@ class ModelRunner:
                 decode_lens.append(context_len)
                 decode_slots.append(slot)
             else:
+                # Not with a fresh prompt beside a narrower cache: the torch path attends to such a
+                # prompt's own unrounded K/V, so its first token does not move with --kv-cache-dtype.
+                per_token = per_token and (seq.start_pos > 0 or self.kv_dtype == self.dtype)
+                if per_token:
+                    token_tables.extend([table[: -(-context_len // bs)]] * n)
+                    token_lens.extend(range(seq.start_pos + 1, context_len + 1))
                 block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
                 inside = [(offset, ckpt) for offset, ckpt in seq.state_checkpoints if offset < n]
                 prefills.append(PrefillSpan(start, n, context_len, block_table, slot, inside,
@@ -172,6 +183,18 @@ class ModelRunner:
             meta.decode_context_lens = lens
             meta.max_decode_context_len = max(decode_lens)
             meta.decode_state_slots = torch.tensor(decode_slots, dtype=torch.long, device=device)
+        if per_token and not prefills:
+            meta.token_block_tables, meta.token_context_lens = meta.decode_block_tables, meta.decode_context_lens
+            meta.max_token_context_len = meta.max_decode_context_len
+        elif per_token:
+            # Decode rows come first in the flat batch, then each span's tokens in order.
+            rows = decode_tables + token_tables
+            lens = decode_lens + token_lens
+            width = max(len(t) for t in rows)
+            meta.token_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long,
+                                                   device=device)
+            meta.token_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+            meta.max_token_context_len = max(lens)
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(pos_list, dtype=torch.long, device=device),

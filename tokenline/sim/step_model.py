@@ -4,8 +4,8 @@
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
 keeps what grows with the batch at any size. The last is a step's price for leaving the engine's
-one-call decode layer (any prefill, or more than ``FUSED_DECODE_ROWS`` decode rows: the torch
-operators' dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both regimes put
+one-call decode layer (a step of more than ``FUSED_DECODE_ROWS`` tokens: the torch operators'
+dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both regimes put
 small-batch multi-turn decode steps 23-39 % too slow.
 
 Fitted by least squares on step records of the real engine (``calibrate``), and used by the
@@ -33,8 +33,9 @@ class StepFeatures:
 
     @property
     def unfused(self) -> int:
-        """1 when the engine runs this step through torch operators, not its one-call decode layer."""
-        return int(self.prefill_tokens > 0 or not 0 < self.decode_seqs <= FUSED_DECODE_ROWS)
+        """1 when the engine runs this step through torch operators, not its one-call decode layer
+        (which takes any step of at most FUSED_DECODE_ROWS tokens)."""
+        return int(not 0 < self.prefill_tokens + self.decode_seqs <= FUSED_DECODE_ROWS)
 
 
 @dataclass(frozen=True)

@@ -1046,22 +1046,25 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * weight row once for all M rows, threads splitting the output columns (portable vector code:
  * GCC vector extensions compile to AVX2 or AVX-512 as the build allows).
  */
-#define TL_LAYER_MAX_ROWS 4
+#define TL_ROW_GROUP 4 /* rows of x per register tile; a call's rows pass over each weight tile in such groups */
 
 /* y[m, n0 .. n0+NT) (+)= x[m] . w[n] for the M rows: NT weight rows stream once, M * NT
  * accumulator vectors stay in registers. `accumulate`: add into y (a residual) instead of storing. */
 static inline __attribute__((always_inline)) void gemv_tile_f32(const float *x, const float *w, float *y,
                                                                 const int M, const int NT, int64_t n0,
                                                                 int64_t N, int64_t K, int accumulate) {
-    tl_v8 acc[TL_LAYER_MAX_ROWS][4];
+    tl_v8 acc[TL_ROW_GROUP][4];
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NT; j++) acc[m][j] = (tl_v8){0};
     const int64_t K8 = K & ~(int64_t)7;
     for (int64_t k = 0; k < K8; k += 8) {
-        tl_v8 xv[TL_LAYER_MAX_ROWS];
+        tl_v8 xv[TL_ROW_GROUP];
         for (int m = 0; m < M; m++) xv[m] = *(const tl_v8u *)(x + m * K + k);
         for (int j = 0; j < NT; j++) {
             const tl_v8 wv = *(const tl_v8u *)(w + (n0 + j) * K + k);
+            /* The same row two tiles ahead, a cache line at a time (as qgemv_tile does, for a head
+             * streamed from memory). */
+            if (!(k & 15)) __builtin_prefetch(w + (n0 + j + 2 * NT) * K + k);
             for (int m = 0; m < M; m++) acc[m][j] += xv[m] * wv;
         }
     }
@@ -1074,21 +1077,29 @@ static inline __attribute__((always_inline)) void gemv_tile_f32(const float *x, 
         }
 }
 
-/* y[M, N] (+)= x[M, K] @ w[N, K]^T, M <= TL_LAYER_MAX_ROWS. */
+static void gemv_tile_f32_dispatch(const float *x, const float *w, float *y, int M, int NT, int64_t n0, int64_t N,
+                                   int64_t K, int accumulate);
+
+/* y[M, N] (+)= x[M, K] @ w[N, K]^T, any M: threads split the output columns; each tile of NT weight
+ * rows stays in L1 while the rows of x pass over it in groups of TL_ROW_GROUP. Each output is the
+ * same dot product in the same order whatever M (a row's result does not depend on its batch). */
 static void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int accumulate) {
     const int NT = M <= 2 ? 4 : 2; /* 4 x 4 accumulators would spill on AVX2's 16 registers */
     const int64_t tiles = N / NT;
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        switch (M * 8 + NT) {
-        case 1 * 8 + 4: gemv_tile_f32(x, w, y, 1, 4, t * NT, N, K, accumulate); break;
-        case 2 * 8 + 4: gemv_tile_f32(x, w, y, 2, 4, t * NT, N, K, accumulate); break;
-        case 3 * 8 + 2: gemv_tile_f32(x, w, y, 3, 2, t * NT, N, K, accumulate); break;
-        default: gemv_tile_f32(x, w, y, 4, 2, t * NT, N, K, accumulate); break;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < M; m0 += TL_ROW_GROUP) {
+            const int rows = (int)(M - m0 < TL_ROW_GROUP ? M - m0 : TL_ROW_GROUP);
+            gemv_tile_f32_dispatch(x + m0 * K, w, y + m0 * N, rows, NT, t * NT, N, K, accumulate);
         }
-    }
     for (int64_t n = tiles * NT; n < N; n++) /* the last few columns */
         for (int64_t m = 0; m < M; m++) gemv_tile_f32(x + m * K, w, y + m * N, 1, 1, n, N, K, accumulate);
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T in float32 for a few rows (up to a few dozen): MKL's sgemm at 1-16
+ * rows reads the weight at a third to a quarter of the bandwidth on the AVX2 CPUs here. */
+void tl_linear_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
+    gemv_f32(x, w, y, M, N, K, 0);
 }
 
 /* ---- Weight-only quantization: ggml's Q4_1 and Q8_0 blocks of 32 weights along K ----
@@ -1174,10 +1185,10 @@ static inline __attribute__((always_inline)) void qgemv_tile(const int fmt, cons
                                                              const uint8_t *w, float *y, const int M, const int NT,
                                                              int64_t n0, int64_t N, int64_t K, int accumulate) {
     const int64_t nb = K / TL_QK, bb = q_block_bytes(fmt), row_bytes = nb * bb;
-    float sums[TL_LAYER_MAX_ROWS][4];
+    float sums[TL_ROW_GROUP][4];
 #if defined(__AVX2__)
-    __m256 acc[TL_LAYER_MAX_ROWS][4];
-    float offset[TL_LAYER_MAX_ROWS][4];
+    __m256 acc[TL_ROW_GROUP][4];
+    float offset[TL_ROW_GROUP][4];
     for (int m = 0; m < M; m++)
         for (int j = 0; j < NT; j++) acc[m][j] = _mm256_setzero_ps(), offset[m][j] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -1262,7 +1273,9 @@ static void gemv_tile_f32_dispatch(const float *x, const float *w, float *y, int
     case 1 * 8 + 2: gemv_tile_f32(x, w, y, 1, 2, n0, N, K, accumulate); break;
     case 2 * 8 + 2: gemv_tile_f32(x, w, y, 2, 2, n0, N, K, accumulate); break;
     case 3 * 8 + 2: gemv_tile_f32(x, w, y, 3, 2, n0, N, K, accumulate); break;
-    default: gemv_tile_f32(x, w, y, 4, 2, n0, N, K, accumulate); break;
+    case 4 * 8 + 2: gemv_tile_f32(x, w, y, 4, 2, n0, N, K, accumulate); break;
+    case 1 * 8 + 4: gemv_tile_f32(x, w, y, 1, 4, n0, N, K, accumulate); break;
+    default: gemv_tile_f32(x, w, y, 2, 4, n0, N, K, accumulate); break;
     }
 }
 
@@ -1285,8 +1298,8 @@ static void qgemv_tiles(int fmt, const float *x, const uint8_t *w, float *y, int
                 continue;
             }
             dequantize_blocks(fmt, w + n0 * row_bytes, buf, cols * nb);
-            for (int64_t m0 = 0; m0 < M; m0 += TL_LAYER_MAX_ROWS) {
-                const int rows = (int)(M - m0 < TL_LAYER_MAX_ROWS ? M - m0 : TL_LAYER_MAX_ROWS);
+            for (int64_t m0 = 0; m0 < M; m0 += TL_ROW_GROUP) {
+                const int rows = (int)(M - m0 < TL_ROW_GROUP ? M - m0 : TL_ROW_GROUP);
                 int64_t j = 0; /* buf holds weight rows n0 .. n0 + cols: index them from 0, y from n0 */
                 for (; j + 2 <= cols; j += 2)
                     gemv_tile_f32_dispatch(x + m0 * K, buf, y + m0 * N + n0, rows, 2, j, N, K, accumulate);
@@ -1313,8 +1326,8 @@ static void qgemv(int fmt, const float *x, const float *xs, const uint8_t *w, fl
         const int width = t < tiles ? NT : 1; /* the last "tile": the leftover columns one by one */
         const int64_t first = t * NT, last = t < tiles ? first + NT : N;
         for (int64_t n0 = first; n0 < last; n0 += width)
-            for (int64_t m0 = 0; m0 < M; m0 += TL_LAYER_MAX_ROWS) {
-                const int rows = (int)(M - m0 < TL_LAYER_MAX_ROWS ? M - m0 : TL_LAYER_MAX_ROWS);
+            for (int64_t m0 = 0; m0 < M; m0 += TL_ROW_GROUP) {
+                const int rows = (int)(M - m0 < TL_ROW_GROUP ? M - m0 : TL_ROW_GROUP);
                 qgemv_tile_dispatch(fmt, x + m0 * K, xs + m0 * nb, w, y + m0 * N, rows, width, n0, N, K, accumulate);
             }
     }
