@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,15 +113,7 @@ class CpuKernels:
 
     def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` for a few rows; x [M, K] and weight [N, K] contiguous bfloat16."""
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2:
-            raise ValueError("linear_bf16 takes 2-D bfloat16 activations and weights")
-        if not (x.is_contiguous() and weight.is_contiguous()) or x.shape[1] != weight.shape[1]:
-            raise ValueError(f"linear_bf16: shapes {tuple(x.shape)} x {tuple(weight.shape)} or layout do not fit")
-        m, k = x.shape
-        n = weight.shape[0]
-        y = torch.empty((m, n), dtype=torch.bfloat16)
-        self._lib.tl_linear_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
-        return y
+        return self._linear_plain("linear_bf16", self._lib.tl_linear_bf16, torch.bfloat16, x, weight)
 
     def linear_bf16_blocked(self, x: torch.Tensor, tiles: torch.Tensor, n: int, block_n: int, pairs: int) -> torch.Tensor:
         """``x @ w.T`` for a few rows, w [n, K] held only in oneDNN's packed layout ``tiles`` (the flat
@@ -136,16 +129,21 @@ class CpuKernels:
         return y
 
     def linear_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` in float32 for a few rows; x [M, K] and weight [N, K] contiguous float32.
-        Each output is one dot product summed in a fixed order, whatever M."""
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or weight.dim() != 2:
-            raise ValueError("linear_f32 takes 2-D float32 activations and weights")
+        """``x @ weight.T`` in float32 for a few rows; x [M, K] and weight [N, K] contiguous float32
+        (with N a multiple of 4 and K of 8, a row's outputs do not depend on M)."""
+        return self._linear_plain("linear_f32", self._lib.tl_linear_f32, torch.float32, x, weight)
+
+    @staticmethod
+    def _linear_plain(name: str, fn: Any, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``fn(x, w, y, M, N, K)`` on a plain row-major weight of ``dtype``, after the checks."""
+        if x.dtype != dtype or weight.dtype != dtype or x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"{name} takes 2-D {str(dtype).removeprefix('torch.')} activations and weights")
         if not (x.is_contiguous() and weight.is_contiguous()) or x.shape[1] != weight.shape[1]:
-            raise ValueError(f"linear_f32: shapes {tuple(x.shape)} x {tuple(weight.shape)} or layout do not fit")
+            raise ValueError(f"{name}: shapes {tuple(x.shape)} x {tuple(weight.shape)} or layout do not fit")
         m, k = x.shape
         n = weight.shape[0]
-        y = torch.empty((m, n), dtype=torch.float32)
-        self._lib.tl_linear_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
+        y = torch.empty((m, n), dtype=dtype)
+        fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
     def linear_q(self, x: torch.Tensor, blocks: torch.Tensor, code: int, n: int) -> torch.Tensor:

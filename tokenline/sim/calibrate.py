@@ -29,7 +29,8 @@ from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_mode
 
 @dataclass
 class CalibrationDesign:
-    prefill_lens: tuple[int, ...] = (32, 128, 384)
+    # 64 and 96 sit either side of the one-call layer's cap (FUSED_DECODE_ROWS): they pin its jump (f).
+    prefill_lens: tuple[int, ...] = (32, 64, 96, 128, 384)
     context_lens: tuple[int, ...] = (32, 256)
     decode_batches: tuple[int, ...] = (1, 4, 8, 16, 32)
     # A decode batch's prompts together at most. 8192 takes batch 32 to 256-token contexts: a server

@@ -1081,8 +1081,9 @@ static void gemv_tile_f32_dispatch(const float *x, const float *w, float *y, int
                                    int64_t K, int accumulate);
 
 /* y[M, N] (+)= x[M, K] @ w[N, K]^T, any M: threads split the output columns; each tile of NT weight
- * rows stays in L1 while the rows of x pass over it in groups of TL_ROW_GROUP. Each output is the
- * same dot product in the same order whatever M (a row's result does not depend on its batch). */
+ * rows stays in L1 while the rows of x pass over it in groups of TL_ROW_GROUP. With N a multiple of 4
+ * and K of 8 (every matrix of the models we serve) a row's outputs are the same bits whatever M; the
+ * leftover columns and inputs of other shapes can round differently between tile shapes. */
 static void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int accumulate) {
     const int NT = M <= 2 ? 4 : 2; /* 4 x 4 accumulators would spill on AVX2's 16 registers */
     const int64_t tiles = N / NT;
