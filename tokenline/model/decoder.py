@@ -101,6 +101,12 @@ class DecoderLM(CausalLM):
             kernels.decode_layer_f32_(x, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
         return True
 
+    def fused_step_tokens(self) -> int:
+        """The most tokens a step may have for the one-call decode layers to take it; 0 when this
+        model's layers cannot run there (not plain float32 Llama layers on CPU, or no kernels). The
+        runner builds the per-token tables they read only for such steps."""
+        return self.fused_decode_rows if self.fused_decode_rows and self._fused_layers_or_none() else 0
+
     def _fused_layers_or_none(self) -> FusedLayers | None:
         if self._fused_layers is None:
             kernels = cpu_kernels.load()

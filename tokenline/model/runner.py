@@ -136,7 +136,8 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         # Every token as a decode query (table, context length), for the model's one-call decode
         # layers when the step is small enough for them (see AttentionMetadata.token_block_tables).
-        per_token = sum(s.num_tokens for s in seqs) <= getattr(self.model, "fused_decode_rows", 0)
+        fused_tokens = getattr(self.model, "fused_step_tokens", lambda: 0)()
+        per_token = sum(s.num_tokens for s in seqs) <= fused_tokens
         token_tables: list[list[int]] = []
         token_lens: list[int] = []
         for seq in seqs:
@@ -149,8 +150,9 @@ class ModelRunner:
                 slots.append(table[pos // bs] * bs + pos % bs)
             context_len = seq.start_pos + n
             slot = -1 if seq.state_slot is None else seq.state_slot
+            blocks = list(table[: -(-context_len // bs)])  # those the step's tokens attend over
             if n == 1:
-                decode_tables.append(list(table[: -(-context_len // bs)]))
+                decode_tables.append(blocks)
                 decode_lens.append(context_len)
                 decode_slots.append(slot)
             else:
@@ -158,9 +160,9 @@ class ModelRunner:
                 # prompt's own unrounded K/V, so its first token does not move with --kv-cache-dtype.
                 per_token = per_token and (seq.start_pos > 0 or self.kv_dtype == self.dtype)
                 if per_token:
-                    token_tables.extend([table[: -(-context_len // bs)]] * n)
+                    token_tables.extend([blocks] * n)
                     token_lens.extend(range(seq.start_pos + 1, context_len + 1))
-                block_table = torch.tensor(table[: -(-context_len // bs)], dtype=torch.long, device=device)
+                block_table = torch.tensor(blocks, dtype=torch.long, device=device)
                 inside = [(offset, ckpt) for offset, ckpt in seq.state_checkpoints if offset < n]
                 prefills.append(PrefillSpan(start, n, context_len, block_table, slot, inside,
                                             drafts=bool(seq.draft_token_ids) and seq.state_slot is not None))
@@ -174,9 +176,8 @@ class ModelRunner:
             prefills=prefills,
         )
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            meta.decode_block_tables = _padded_tables(decode_tables, device)
+            width = meta.decode_block_tables.shape[1]
             lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             cols = torch.arange(width * bs, device=device)
             meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, None, :]
@@ -188,11 +189,8 @@ class ModelRunner:
             meta.max_token_context_len = meta.max_decode_context_len
         elif per_token:
             # Decode rows come first in the flat batch, then each span's tokens in order.
-            rows = decode_tables + token_tables
             lens = decode_lens + token_lens
-            width = max(len(t) for t in rows)
-            meta.token_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.long,
-                                                   device=device)
+            meta.token_block_tables = _padded_tables(decode_tables + token_tables, device)
             meta.token_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
             meta.max_token_context_len = max(lens)
         return (
@@ -248,3 +246,9 @@ class ModelRunner:
             out[seq.request_id] = SampledToken(token_ids[row], token_logprobs, token_ids[row + 1 : end])
             row = end
         return out
+
+
+def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables of unequal lengths as one [rows, longest] int64 tensor, padded with block 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
