@@ -56,7 +56,10 @@ async def hold_until_first_token(client: httpx.AsyncClient, server: Server, requ
     async with client.stream("POST", f"{server.api_url}/chat/completions", json=body,
                              headers={"X-Request-Id": request_id}) as response:
         assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
+        # Hold the line iterator until the drop: an abandoned one is finalized by the event loop,
+        # and httpx then closes the connection — the client would leave early, at a random time.
+        lines = response.aiter_lines()
+        async for line in lines:
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break
         arrived.append(request_id)
@@ -68,7 +71,7 @@ def test_hundred_streams_dropped_at_once(load_server: Server) -> None:
     assert wait_until(lambda: engine_idle(load_server), timeout=SETTLE_S)
     ids = [f"rel-drop-{i}" for i in range(DROPPED)]
 
-    async def main() -> list[str]:
+    async def main() -> tuple[list[str], float]:
         arrived: list[str] = []
         drop = asyncio.Event()
         async with async_client(DROPPED) as client:
@@ -79,11 +82,12 @@ def test_hundred_streams_dropped_at_once(load_server: Server) -> None:
             running = load_server.metrics()["vllm:num_requests_running"]
             drop.set()  # every stream closes now, at once
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-        assert running > 0
-        return arrived
+        return arrived, running
 
-    arrived = asyncio.run(main())
+    arrived, running = asyncio.run(main())
     assert len(arrived) == DROPPED, f"only {len(arrived)} streams got a first token"
+    # Every held stream was still decoding when the drop came (none left early, none finished).
+    assert running == DROPPED
 
     # Nothing left in the engine: no running or waiting request, every KV block back in the pool.
     assert wait_until(lambda: engine_idle(load_server), timeout=SETTLE_S), load_server.metrics()
