@@ -21,7 +21,7 @@ kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
 
 BLOCK_SIZE = 16
-NUM_BLOCKS = 48
+NUM_BLOCKS = 192
 
 
 def _config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
@@ -89,7 +89,7 @@ def _both_paths(layer: LlamaDecoderLayer, x: torch.Tensor, positions: torch.Tens
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 12])  # 12 default-model rows: SiLU on the threads
 @pytest.mark.parametrize(
     "shape",
     # The default model's layer; odd sizes (vector tails, the generic attention path).
