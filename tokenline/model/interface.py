@@ -43,6 +43,11 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def fused_step_tokens(self) -> int:
+        """The most tokens a step may have for a one-call layer kernel to take it, reading
+        ``AttentionMetadata.token_block_tables``; 0 (the default) for a model without one."""
+        return 0
+
     # -- cache layout: sizes from the config alone (the memory plan has no weights) -------------
 
     @classmethod

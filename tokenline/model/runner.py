@@ -136,8 +136,7 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         # Every token as a decode query (table, context length), for the model's one-call decode
         # layers when the step is small enough for them (see AttentionMetadata.token_block_tables).
-        fused_tokens = getattr(self.model, "fused_step_tokens", lambda: 0)()
-        per_token = sum(s.num_tokens for s in seqs) <= fused_tokens
+        per_token = sum(s.num_tokens for s in seqs) <= self.model.fused_step_tokens()
         token_tables: list[list[int]] = []
         token_lens: list[int] = []
         for seq in seqs:
