@@ -103,7 +103,9 @@ def test_fused_layer_matches_torch_layer(rows: int, shape: tuple[int, ...]) -> N
     rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
     cos_sin = rotary.lookup(positions, torch.float32)
     expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv, meta)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # float32, another summation order
+    # float32 in another summation order: the residual stream reaches ~60 here (an ulp of 4e-6), so
+    # an element near 0 may sit a few ulps of the stream's scale from torch's.
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=5e-6 * expected.abs().max().item())
     torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)  # the rotated K and V written
     # The inputs make every part matter: a step one position off (RoPE) or without the residual
     # lands far outside the tolerance above.

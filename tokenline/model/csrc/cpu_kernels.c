@@ -481,7 +481,9 @@ static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q
  * whole; else one), its tokens in tiles of 8 with an online softmax, so K and V are each read once,
  * in place, the next tile prefetched. Eight partial dot products reduce into one vector of scores
  * by a shuffle tree (no horizontal sum per token); bf16 rows are widened into a per-tile scratch. */
-#define TL_V8_TILE 8
+#define TL_V8_TILE 8       /* tokens per score vector */
+#define TL_V8_SPAN 16      /* tokens per tile: two score vectors, one online-softmax step */
+#define TL_V8_SLACK 8.0f   /* see attend_item_v8 */
 #define TL_V8_MAX_NV 32     /* head_dim / 8 (head_dim <= 256) */
 #define TL_V8_MAX_VECS 512  /* query heads x head_dim / 8 in one work item (16 KB of accumulators) */
 #define TL_V8_MAX_HEADS 64
@@ -490,18 +492,19 @@ static inline tl_v8 v8_select(tl_v8i mask, tl_v8 a, tl_v8 b) { /* mask ? a : b, 
     return (tl_v8)((mask & (tl_v8i)a) | (~mask & (tl_v8i)b));
 }
 
-/* Lane i of the result = the sum of v[i]'s lanes. */
+/* Lane i of the result = the sum of v[i]'s lanes: a transpose-and-add tree whose shuffles are each
+ * one instruction on AVX (in-lane shufps, then a 128-bit lane swap), 21 in all. */
 static inline tl_v8 reduce8(const tl_v8 v[8]) {
-    const tl_v8i even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-    const tl_v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const tl_v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
     const tl_v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
     tl_v8 p[4], r[2];
     for (int i = 0; i < 4; i++)
         p[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
     for (int i = 0; i < 2; i++)
-        r[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo2) + __builtin_shuffle(p[2 * i], p[2 * i + 1], hi2);
+        r[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], even) + __builtin_shuffle(p[2 * i], p[2 * i + 1], odd);
     return __builtin_shuffle(r[0], r[1], lo4) + __builtin_shuffle(r[0], r[1], hi4);
 }
+
 
 static inline tl_v8 v8_max(tl_v8 a, tl_v8 b) { return v8_select(a > b, a, b); }
 
@@ -527,19 +530,46 @@ static inline const float *v8_row(int dtype, const void *cache, int64_t index, i
     return scratch;
 }
 
+/* exp(x) for x <= ~80, eight at a time: exp_nonpositive's polynomial with the power of two rounded
+ * to nearest by the 1.5 * 2^23 trick, so that the small positive arguments attend_item_v8's
+ * rescale slack allows stay exact (x below -87 gives ~1e-38, not 0). */
+static inline tl_v8 exp8_small(tl_v8 x) {
+    x = v8_max(x, (tl_v8){0} - 87.0f);
+    const tl_v8 t = x * 1.44269504088896341f;
+    const tl_v8 r = (t + 12582912.0f) - 12582912.0f;
+    const tl_v8 f = (t - r) * 0.69314718055994531f;
+    return (tl_v8)((tl_v8i)TL_EXP_POLY(f) + (__builtin_convertvector(r, tl_v8i) << 23));
+}
+
+/* Scores of eight rows (row i at rows[i]) against one query head's vectors qh: eight independent
+ * FMA chains, the query vector in a register and the rows read in place, then one reduce. */
+static inline __attribute__((always_inline)) tl_v8 scores8(const int64_t nv, const tl_v8 *qh,
+                                                          const float *const rows[TL_V8_TILE]) {
+    tl_v8 part[TL_V8_TILE];
+    for (int i = 0; i < TL_V8_TILE; i++) part[i] = qh[0] * *(const tl_v8u *)rows[i];
+    for (int64_t c = 1; c < nv; c++) {
+        const tl_v8 qc = qh[c];
+        for (int i = 0; i < TL_V8_TILE; i++) part[i] += qc * *(const tl_v8u *)(rows[i] + 8 * c);
+    }
+    return reduce8(part);
+}
+
 static inline __attribute__((always_inline)) void attend_item_v8(
     int dtype, int kv_dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
     const int64_t *table, int64_t start, int64_t len, void *out, int64_t out_index, int64_t g0, int64_t kvn,
     const int64_t group, int64_t block_size, int64_t token_stride, float scale, float *partial) {
     /* Tokens [start, len) against KV heads g0 .. g0+kvn of one sequence; query heads (g0 + g) * group + j
      * are row g * group + j here. With `partial`, leave each head's (m, l, unnormalised acc[Dh]) there
-     * for a merge with the sequence's other runs instead of writing out. */
+     * for a merge with the sequence's other runs instead of writing out. Tiles of up to 16 tokens
+     * inside one block: their rows lie token_stride apart, one table lookup a tile. */
     const int64_t Dh = nv * 8, heads = kvn * group;
-    tl_v8 qv[TL_V8_MAX_VECS], acc[TL_V8_MAX_VECS];
-    float m[TL_V8_MAX_HEADS], l[TL_V8_MAX_HEADS];
+    const int64_t kv_bytes = kv_dtype == TL_FLOAT32 ? 4 : 2;
+    tl_v8 qv[TL_V8_MAX_VECS], acc[TL_V8_MAX_VECS], lsum[TL_V8_MAX_HEADS];
+    float m[TL_V8_MAX_HEADS];
     float qf[TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
-    float kt[TL_V8_TILE][TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
-    float vt[TL_V8_TILE][TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
+    float p[TL_V8_SPAN] __attribute__((aligned(32)));
+    float kt[TL_V8_SPAN][TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
+    float vt[TL_V8_SPAN][TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
     for (int64_t h = 0; h < heads; h++) {
         load_row(q, q_index + h * Dh, Dh, dtype, qf);
         for (int64_t c = 0; c < nv; c++) {
@@ -547,73 +577,87 @@ static inline __attribute__((always_inline)) void attend_item_v8(
             acc[h * nv + c] = (tl_v8){0};
         }
         m[h] = -INFINITY;
-        l[h] = 0.0f;
+        lsum[h] = (tl_v8){0};
     }
     const tl_v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    for (int64_t t0 = start; t0 < len; t0 += TL_V8_TILE) {
-        const int64_t n = len - t0 < TL_V8_TILE ? len - t0 : TL_V8_TILE;
-        const tl_v8i valid = lane < (tl_v8i){0} + (int32_t)n;
-        int64_t base[TL_V8_TILE];
-        for (int64_t i = 0; i < TL_V8_TILE; i++) {
-            const int64_t t = t0 + (i < n ? i : 0);
-            base[i] = (table[t / block_size] * block_size + t % block_size) * token_stride;
+    for (int64_t t = start, n; t < len; t += n) {
+        const int64_t off = t % block_size;
+        n = block_size - off < len - t ? block_size - off : len - t;
+        n = n < TL_V8_SPAN ? n : TL_V8_SPAN;
+        const int64_t row0 = (table[t / block_size] * block_size + off) * token_stride;
+        const tl_v8i valid0 = lane < (tl_v8i){0} + (int32_t)n, valid1 = lane + 8 < (tl_v8i){0} + (int32_t)n;
+        /* The next tile, requested while this one computes (blocks are scattered: the hardware
+         * prefetcher cannot guess them), a share of its lines before each query head, so that the
+         * requests stream evenly under the arithmetic instead of queueing up in one burst. */
+        const int64_t tn = t + n;
+        int64_t next_row0 = 0, next_n = 0;
+        if (tn < len) {
+            const int64_t noff = tn % block_size;
+            next_n = block_size - noff < len - tn ? block_size - noff : len - tn;
+            next_n = next_n < TL_V8_SPAN ? next_n : TL_V8_SPAN;
+            next_row0 = (table[tn / block_size] * block_size + noff) * token_stride;
         }
-        if (t0 + TL_V8_TILE < len) { /* the next tile's rows: blocks are scattered, so the prefetcher cannot guess them */
-            const int64_t kv_bytes = kv_dtype == TL_FLOAT32 ? 4 : 2, t = t0 + TL_V8_TILE, bytes = kvn * Dh * kv_bytes;
-            const int64_t first = (table[t / block_size] * block_size + t % block_size) * token_stride + g0 * Dh;
-            const int64_t rows = len - t < TL_V8_TILE ? len - t : TL_V8_TILE;
-            const int64_t in_block = block_size - t % block_size < rows ? block_size - t % block_size : rows;
-            for (int64_t i = 0; i < in_block; i++)
-                for (int64_t b = 0; b < bytes; b += 64) {
-                    const int64_t e = (first + i * token_stride) * kv_bytes + b;
-                    __builtin_prefetch((const char *)k_cache + e);
-                    __builtin_prefetch((const char *)v_cache + e);
-                }
-        }
+        const int64_t row_bytes = kvn * Dh * kv_bytes; /* the item's heads of one token: contiguous */
+        const int64_t pf_share = (next_n * ((row_bytes + 63) / 64) + heads - 1) / heads;
+        int64_t pf_row = 0, pf_byte = 0;
         for (int64_t g = 0; g < kvn; g++) {
-            const float *krow[TL_V8_TILE], *vrow[TL_V8_TILE];
-            for (int64_t i = 0; i < TL_V8_TILE; i++) {
-                krow[i] = v8_row(kv_dtype, k_cache, base[i] + (g0 + g) * Dh, Dh, kt[i]);
-                vrow[i] = v8_row(kv_dtype, v_cache, base[i] + (g0 + g) * Dh, Dh, vt[i]);
+            const int64_t head_off = (g0 + g) * Dh;
+            /* Rows past the tile's end point at its first (masked out of the scores, weight 0). */
+            const float *krow[TL_V8_SPAN], *vrow[TL_V8_SPAN];
+            for (int64_t i = 0; i < TL_V8_SPAN; i++) {
+                const int64_t index = row0 + (i < n ? i : 0) * token_stride + head_off;
+                krow[i] = i < n ? v8_row(kv_dtype, k_cache, index, Dh, kt[i]) : krow[0];
+                vrow[i] = i < n ? v8_row(kv_dtype, v_cache, index, Dh, vt[i]) : vrow[0];
             }
             for (int64_t j = 0; j < group; j++) {
                 const int64_t h = g * group + j;
-                tl_v8 *ah = acc + h * nv;
-                tl_v8 qh[TL_V8_MAX_NV], part[TL_V8_TILE];
-                for (int64_t c = 0; c < nv; c++) qh[c] = qv[h * nv + c];
-                /* Eight independent chains (one a token), not one chain of nv dependent FMAs. */
-                for (int i = 0; i < TL_V8_TILE; i++) part[i] = qh[0] * *(const tl_v8u *)krow[i];
-                for (int64_t c = 1; c < nv; c++)
-                    for (int i = 0; i < TL_V8_TILE; i++) part[i] += qh[c] * *(const tl_v8u *)(krow[i] + 8 * c);
-                const tl_v8 s = v8_select(valid, reduce8(part), (tl_v8){0} - INFINITY);
-                const float mx = hmax8(s);
-                const float m_new = mx > m[h] ? mx : m[h];
-                const tl_v8 p = v8_select(valid, exp8_nonpositive(s - m_new), (tl_v8){0});
-                /* A local copy: the compiler cannot keep ah[] in registers while the rows it reads
-                 * might alias it. */
+                const tl_v8 *qh = qv + h * nv;
+                for (int64_t r = 0; r < pf_share && pf_row < next_n; r++) {
+                    const int64_t e = (next_row0 + pf_row * token_stride + g0 * Dh) * kv_bytes + pf_byte;
+                    __builtin_prefetch((const char *)k_cache + e);
+                    __builtin_prefetch((const char *)v_cache + e);
+                    pf_byte += 64;
+                    if (pf_byte >= row_bytes) pf_row++, pf_byte = 0;
+                }
+                const tl_v8 s0 = v8_select(valid0, scores8(nv, qh, krow), (tl_v8){0} - INFINITY);
+                const tl_v8 s1 = n > 8 ? v8_select(valid1, scores8(nv, qh, krow + 8), (tl_v8){0} - INFINITY)
+                                       : (tl_v8){0} - INFINITY;
+                /* Rescale only when a score passes the running max by TL_V8_SLACK: weights up to
+                 * e^slack are harmless in float32, and the branch is then almost never taken. */
+                const tl_v8 mx = v8_max(s0, s1);
+                const tl_v8i over = mx > (tl_v8){0} + (m[h] + TL_V8_SLACK);
                 tl_v8 a[TL_V8_MAX_NV];
-                for (int64_t c = 0; c < nv; c++) a[c] = ah[c];
-                if (m_new > m[h]) {
+                for (int64_t c = 0; c < nv; c++) a[c] = acc[h * nv + c];
+                if (over[0] | over[1] | over[2] | over[3] | over[4] | over[5] | over[6] | over[7]) {
+                    const float m_new = hmax8(mx);
                     const float alpha = exp_nonpositive(m[h] - m_new);
-                    l[h] *= alpha;
+                    lsum[h] *= alpha;
                     for (int64_t c = 0; c < nv; c++) a[c] *= alpha;
                     m[h] = m_new;
                 }
-                l[h] += hsum8(p);
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t c = 0; c < nv; c++) a[c] += p[i] * *(const tl_v8u *)(vrow[i] + 8 * c);
-                for (int64_t c = 0; c < nv; c++) ah[c] = a[c];
+                const tl_v8 mh = (tl_v8){0} + m[h];
+                const tl_v8 e0 = v8_select(valid0, exp8_small(s0 - mh), (tl_v8){0});
+                const tl_v8 e1 = v8_select(valid1, exp8_small(s1 - mh), (tl_v8){0});
+                lsum[h] += e0 + e1;
+                *(tl_v8 *)p = e0;
+                *(tl_v8 *)(p + 8) = e1;
+                for (int64_t i = 0; i < n; i++) {
+                    const float w = p[i];
+                    for (int64_t c = 0; c < nv; c++) a[c] += w * *(const tl_v8u *)(vrow[i] + 8 * c);
+                }
+                for (int64_t c = 0; c < nv; c++) acc[h * nv + c] = a[c];
             }
         }
     }
     for (int64_t h = 0; h < heads && partial; h++) {
         float *rec = partial + h * (Dh + 2);
         rec[0] = m[h];
-        rec[1] = l[h];
+        rec[1] = hsum8(lsum[h]);
         for (int64_t c = 0; c < nv; c++) *(tl_v8u *)(rec + 2 + 8 * c) = acc[h * nv + c];
     }
     for (int64_t h = 0; h < heads && !partial; h++) {
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        const float l = hsum8(lsum[h]);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         const int64_t o = out_index + h * Dh;
         for (int64_t c = 0; c < nv; c++) {
             const tl_v8 r = acc[h * nv + c] * inv;
