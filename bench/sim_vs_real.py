@@ -143,7 +143,7 @@ def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[di
                     / (m.b * f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0] if m.b > 0 else []
     prefill = statistics.median(prefill_rows) if prefill_rows else decode
     model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode,
-                      m.f * decode)
+                      m.f * decode, m.knots, tuple(h * decode for h in m.hinges))
     at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})
     return workload.simulate(at_speed, seed), decode, prefill
 

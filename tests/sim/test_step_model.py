@@ -89,3 +89,28 @@ def test_the_fused_decode_regime_has_its_own_step_price() -> None:
     assert fit.f == pytest.approx(0.025, rel=1e-6) and fit.residual_rms_s < 1e-9
     jump = fit.predict(StepFeatures(0, cap + 1, 100 * (cap + 1))) - fit.predict(StepFeatures(0, cap, 100 * cap))
     assert jump == pytest.approx(0.025 + 0.004 + 1e-4)
+
+
+def test_hinges_at_knots_follow_a_decode_curve_that_bends_upwards(tmp_path) -> None:
+    """A step bound by the weights' read at few sequences and by arithmetic beyond: the per-sequence
+    cost rises past a knot. A straight line through 1..32 sequences misprices the middle; hinges at
+    the design's inner batch sizes take the bend, and round-trip through a profile file."""
+    from tokenline.sim.profile import Profile
+
+    truth = StepModel(a=0.03, b=0.002, c=0.001, d=1e-6, f=0.02, knots=(4, 8, 16), hinges=(0.002, 0.0, 0.001))
+    features = [StepFeatures(p, n, 300 * n) for p in (0, 0, 32) for n in (1, 2, 4, 8, 12, 16, 24, 32)]
+    features += [StepFeatures(p, 0, p) for p in (32, 64, 96, 128, 384)]
+    durations = [truth.predict(f) for f in features]
+    line = fit_step_model(features, durations)
+    bent = fit_step_model(features, durations, knots=(4, 8, 16))
+    middle = StepFeatures(0, 8, 2400)
+    assert abs(line.predict(middle) / truth.predict(middle) - 1) > 0.03
+    assert bent.predict(middle) == pytest.approx(truth.predict(middle), rel=1e-6)
+    assert bent.hinges == pytest.approx((0.002, 0.0, 0.001), abs=1e-9) and bent.residual_rms_s < 1e-9
+    assert bent.scaled(2.0).predict(middle) == pytest.approx(2 * truth.predict(middle), rel=1e-9)
+    profile = Profile(step_model=bent, model="m", dtype="float32", machine={}, vocab_size=10, max_model_len=64,
+                      kv_bytes_per_token=4)
+    profile.write(tmp_path / "p.json")
+    assert Profile.read(tmp_path / "p.json").step_model == bent
+    with pytest.raises(ValueError, match="hinge"):
+        StepModel(a=0, b=0, c=0, d=0, knots=(4,), hinges=())

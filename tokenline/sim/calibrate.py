@@ -135,7 +135,10 @@ def calibrate(
     if len(records) != len(recorder.features):
         raise RuntimeError(f"{len(records)} step records for {len(recorder.features)} batches")
     features, durations = list(recorder.features), [r.duration for r in records]
-    step_model = fit_step_model(features, durations)
+    # The decode curve may bend at each inner batch size of the design (step_model's hinges).
+    batches = design.decode_batches
+    knots = tuple(sorted(b for b in set(batches) if min(batches) < b < max(batches)))
+    step_model = fit_step_model(features, durations, knots)
     kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
     machine = machine_info(device)
     machine.update(measure_roofline(runner.dtype))
@@ -148,7 +151,7 @@ def calibrate(
         # steps the decode batches and contexts a server runs (an offline-only fit put batch-8 steps
         # 15 % high against a real server's, its context cost taken from contexts of 32-256).
         step_model = fit_step_model(features + [f for f, _ in server.steps],
-                                    durations + [w for _, w in server.steps])
+                                    durations + [w for _, w in server.steps], knots)
         fit = server.fit(step_model)
     return Profile(
         step_model=step_model,

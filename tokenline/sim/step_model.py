@@ -1,9 +1,13 @@
 """The step-time model: step_s = a + b·prefill_tokens + c·decode_seqs + e·log2(1 + decode_seqs)
-+ d·attended_context_tokens + f·[off the fused path].
++ Σ_k h_k·max(0, decode_seqs − k) + d·attended_context_tokens + f·[off the fused path].
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
-keeps what grows with the batch at any size. The last is a step's price for leaving the engine's
+keeps what grows with the batch at any size. The hinges (at knots k, the calibration design's
+inner decode batch sizes) let the per-sequence cost rise past a knot instead: on the CPU here a
+decode step is bound by reading the weights at a few sequences and by the linears' arithmetic
+beyond, so its curve bends upwards, and a straight line through 1..32 sequences put 8-sequence
+steps 14-17 % too slow (two sessions). The last is a step's price for leaving the engine's
 one-call decode layer (a step of more than ``FUSED_DECODE_ROWS`` tokens: the torch operators'
 dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both regimes put
 small-batch multi-turn decode steps 23-39 % too slow.
@@ -47,16 +51,26 @@ class StepModel:
     residual_rms_s: float = 0.0  # root-mean-square error of the fit on its own records
     e: float = 0.0  # seconds per log2(1 + decoding sequences)
     f: float = 0.0  # seconds per step off the fused decode path (0 in profiles written before it)
+    knots: tuple[int, ...] = ()  # decode batch sizes where the per-sequence cost may change
+    hinges: tuple[float, ...] = ()  # seconds per decoding sequence past each knot, on top of c
+
+    def __post_init__(self) -> None:
+        # A profile read back from JSON gives lists.
+        object.__setattr__(self, "knots", tuple(int(k) for k in self.knots))
+        object.__setattr__(self, "hinges", tuple(float(h) for h in self.hinges))
+        if len(self.knots) != len(self.hinges):
+            raise ValueError(f"{len(self.knots)} knots but {len(self.hinges)} hinge coefficients")
 
     def predict(self, f: StepFeatures) -> float:
         # A negative coefficient fitted on noise must never make time run backwards.
-        return max(0.0, self.a + self.b * f.prefill_tokens + self.c * f.decode_seqs
+        past_knots = sum(h * max(0, f.decode_seqs - k) for k, h in zip(self.knots, self.hinges))
+        return max(0.0, self.a + self.b * f.prefill_tokens + self.c * f.decode_seqs + past_knots
                    + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens + self.f * f.unfused)
 
     def scaled(self, factor: float) -> StepModel:
         """Every coefficient times ``factor`` (the model is linear in them)."""
         return StepModel(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.residual_rms_s,
-                         self.e * factor, self.f * factor)
+                         self.e * factor, self.f * factor, self.knots, tuple(h * factor for h in self.hinges))
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
@@ -74,22 +88,24 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
     return StepFeatures(prefill, decode, context)
 
 
-def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float]) -> StepModel:
-    """Least-squares fit of the six coefficients to measured step times, robust to a shared machine:
-    no coefficient below zero (no feature makes a step faster), and steps more than 3 scaled MADs off
-    the fit (another process took the core) are left out and the rest refitted. ``residual_rms_s`` is
-    over the steps kept."""
+def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float],
+                   knots: Sequence[int] = ()) -> StepModel:
+    """Least-squares fit of the coefficients (six, plus a hinge per knot) to measured step times,
+    robust to a shared machine: no coefficient below zero (no feature makes a step faster; hinges
+    only steepen the curve), and steps more than 3 scaled MADs off the fit (another process took the
+    core) are left out and the rest refitted. ``residual_rms_s`` is over the steps kept."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
-    if len(features) < 6:
-        raise ValueError(f"need at least 6 steps to fit 6 coefficients, got {len(features)}")
+    columns = 6 + len(knots)
+    if len(features) < columns:
+        raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")
     x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
-                   f.unfused] for f in features])
+                   f.unfused, *(max(0, f.decode_seqs - k) for k in knots)] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
     coef, keep = robust_lstsq(x, y)
     rms = float(np.sqrt(np.mean((x[keep] @ coef - y[keep]) ** 2)))
-    a, b, c, e, d, off = (float(v) for v in coef)
-    return StepModel(a, b, c, d, rms, e, off)
+    a, b, c, e, d, off = (float(v) for v in coef[:6])
+    return StepModel(a, b, c, d, rms, e, off, tuple(knots), tuple(float(v) for v in coef[6:]))
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
