@@ -185,6 +185,16 @@ static inline void load_row(const void *base, int64_t index, int64_t n, int dtyp
     }
 }
 
+/* The tile of a sequence's tokens that starts at t (< end): at most `span` tokens, all in one block,
+ * so its rows lie token_stride apart. Returns its length; *row0 = its first row's element offset. */
+static inline int64_t kv_tile(const int64_t *table, int64_t t, int64_t end, int64_t span, int64_t block_size,
+                              int64_t token_stride, int64_t *row0) {
+    const int64_t off = t % block_size;
+    const int64_t n = block_size - off < end - t ? block_size - off : end - t;
+    *row0 = (table[t / block_size] * block_size + off) * token_stride;
+    return n < span ? n : span;
+}
+
 #if defined(__AVX512F__)
 #define TL_TILE 16       /* tokens per score vector, one lane each */
 #define TL_RESCALE_SLACK 8.0f /* see attend_item */
@@ -350,18 +360,13 @@ static inline __attribute__((always_inline)) void attend_item(
     uint32_t pp[TL_MAX_QVEC][TL_TILE / 2]; /* the same as bf16 pairs, for pv_pairs_bf16 */
     float vf[TL_TILE * TL_MAX_DH16 * 16]; /* this tile's values of one KV head in float32 */
     for (int64_t t = t0, n; t < t1; t += n) {
-        const int64_t off = t % block_size;
-        n = block_size - off < t1 - t ? block_size - off : t1 - t;
-        n = n < TL_TILE ? n : TL_TILE;
-        const int64_t row0 = (table[t / block_size] * block_size + off) * token_stride + g0 * Dh;
+        int64_t row0, next_row0 = 0, next_n = 0;
+        n = kv_tile(table, t, t1, TL_TILE, block_size, token_stride, &row0);
+        row0 += g0 * Dh;
         /* The next tile, requested now so that it arrives while this one computes. */
-        const int64_t tn = t + n;
-        int64_t next_row0 = 0, next_n = 0;
-        if (tn < t1) {
-            const int64_t noff = tn % block_size;
-            next_n = block_size - noff < t1 - tn ? block_size - noff : t1 - tn;
-            next_n = next_n < TL_TILE ? next_n : TL_TILE;
-            next_row0 = (table[tn / block_size] * block_size + noff) * token_stride + g0 * Dh;
+        if (t + n < t1) {
+            next_n = kv_tile(table, t + n, t1, TL_TILE, block_size, token_stride, &next_row0);
+            next_row0 += g0 * Dh;
         }
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         for (int64_t g = 0; g < ng; g++) {
@@ -581,22 +586,13 @@ static inline __attribute__((always_inline)) void attend_item_v8(
     }
     const tl_v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int64_t t = start, n; t < len; t += n) {
-        const int64_t off = t % block_size;
-        n = block_size - off < len - t ? block_size - off : len - t;
-        n = n < TL_V8_SPAN ? n : TL_V8_SPAN;
-        const int64_t row0 = (table[t / block_size] * block_size + off) * token_stride;
+        int64_t row0, next_row0 = 0, next_n = 0;
+        n = kv_tile(table, t, len, TL_V8_SPAN, block_size, token_stride, &row0);
         const tl_v8i valid0 = lane < (tl_v8i){0} + (int32_t)n, valid1 = lane + 8 < (tl_v8i){0} + (int32_t)n;
         /* The next tile, requested while this one computes (blocks are scattered: the hardware
          * prefetcher cannot guess them), a share of its lines before each query head, so that the
          * requests stream evenly under the arithmetic instead of queueing up in one burst. */
-        const int64_t tn = t + n;
-        int64_t next_row0 = 0, next_n = 0;
-        if (tn < len) {
-            const int64_t noff = tn % block_size;
-            next_n = block_size - noff < len - tn ? block_size - noff : len - tn;
-            next_n = next_n < TL_V8_SPAN ? next_n : TL_V8_SPAN;
-            next_row0 = (table[tn / block_size] * block_size + noff) * token_stride;
-        }
+        if (t + n < len) next_n = kv_tile(table, t + n, len, TL_V8_SPAN, block_size, token_stride, &next_row0);
         const int64_t row_bytes = kvn * Dh * kv_bytes; /* the item's heads of one token: contiguous */
         const int64_t pf_share = (next_n * ((row_bytes + 63) / 64) + heads - 1) / heads;
         int64_t pf_row = 0, pf_byte = 0;
