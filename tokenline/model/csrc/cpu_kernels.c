@@ -185,6 +185,10 @@ static inline void load_row(const void *base, int64_t index, int64_t n, int dtyp
     }
 }
 
+/* Decode attention rescales its running sums only when a score passes the running max by this much
+ * (attend_item, attend_item_v8): weights up to e^slack are harmless in float32. */
+#define TL_RESCALE_SLACK 8.0f
+
 /* The tile of a sequence's tokens that starts at t (< end): at most `span` tokens, all in one block,
  * so its rows lie token_stride apart. Returns its length; *row0 = its first row's element offset. */
 static inline int64_t kv_tile(const int64_t *table, int64_t t, int64_t end, int64_t span, int64_t block_size,
@@ -197,7 +201,6 @@ static inline int64_t kv_tile(const int64_t *table, int64_t t, int64_t end, int6
 
 #if defined(__AVX512F__)
 #define TL_TILE 16       /* tokens per score vector, one lane each */
-#define TL_RESCALE_SLACK 8.0f /* see attend_item */
 #define TL_MAX_DH16 16   /* head_dim / 16 on the vector path (head_dim <= 256) */
 #define TL_MAX_QVEC 256  /* query heads x head_dim / 16 one work item holds in vectors */
 
@@ -483,12 +486,12 @@ static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q
 
 /* Vector path for any CPU (AVX2 where there is no AVX-512): a work item is one sequence's KV heads
  * (all of them when there are sequences enough for every thread, so each token's row streams
- * whole; else one), its tokens in tiles of 8 with an online softmax, so K and V are each read once,
- * in place, the next tile prefetched. Eight partial dot products reduce into one vector of scores
- * by a shuffle tree (no horizontal sum per token); bf16 rows are widened into a per-tile scratch. */
+ * whole; else one), its tokens in tiles of up to 16 inside one block with an online softmax, so K and
+ * V are each read once, in place, the next tile prefetched. Eight partial dot products reduce into
+ * one vector of scores by a shuffle tree (no horizontal sum per token); bf16 rows are widened into a
+ * per-tile scratch. */
 #define TL_V8_TILE 8       /* tokens per score vector */
 #define TL_V8_SPAN 16      /* tokens per tile: two score vectors, one online-softmax step */
-#define TL_V8_SLACK 8.0f   /* see attend_item_v8 */
 #define TL_V8_MAX_NV 32     /* head_dim / 8 (head_dim <= 256) */
 #define TL_V8_MAX_VECS 512  /* query heads x head_dim / 8 in one work item (16 KB of accumulators) */
 #define TL_V8_MAX_HEADS 64
@@ -510,23 +513,12 @@ static inline tl_v8 reduce8(const tl_v8 v[8]) {
     return __builtin_shuffle(r[0], r[1], lo4) + __builtin_shuffle(r[0], r[1], hi4);
 }
 
-
 static inline tl_v8 v8_max(tl_v8 a, tl_v8 b) { return v8_select(a > b, a, b); }
 
 static inline float hmax8(tl_v8 v) {
     v = v8_max(v, __builtin_shuffle(v, (tl_v8i){4, 5, 6, 7, 0, 1, 2, 3}));
     v = v8_max(v, __builtin_shuffle(v, (tl_v8i){2, 3, 0, 1, 6, 7, 4, 5}));
     return v[0] > v[1] ? v[0] : v[1];
-}
-
-/* exp(x) for x <= 0, eight at a time: exp_nonpositive's method (x below -87 gives ~1e-38, not 0). */
-static inline tl_v8 exp8_nonpositive(tl_v8 x) {
-    const tl_v8 floor_x = (tl_v8){0} - 87.0f;
-    x = v8_max(x, floor_x);
-    const tl_v8 t = x * 1.44269504088896341f;
-    const tl_v8i fi = __builtin_convertvector(t - 0.5f, tl_v8i); /* t <= 0: truncation rounds to nearest */
-    const tl_v8 f = (t - __builtin_convertvector(fi, tl_v8)) * 0.69314718055994531f;
-    return (tl_v8)((tl_v8i)TL_EXP_POLY(f) + (fi << 23));
 }
 
 static inline const float *v8_row(int dtype, const void *cache, int64_t index, int64_t Dh, float *scratch) {
@@ -536,9 +528,9 @@ static inline const float *v8_row(int dtype, const void *cache, int64_t index, i
 }
 
 /* exp(x) for x <= ~80, eight at a time: exp_nonpositive's polynomial with the power of two rounded
- * to nearest by the 1.5 * 2^23 trick, so that the small positive arguments attend_item_v8's
- * rescale slack allows stay exact (x below -87 gives ~1e-38, not 0). */
-static inline tl_v8 exp8_small(tl_v8 x) {
+ * to nearest by the 1.5 * 2^23 trick, so that the small positive arguments the rescale slack allows
+ * stay exact as well as x <= 0 (x below -87 gives ~1e-38, not 0). */
+static inline tl_v8 exp8(tl_v8 x) {
     x = v8_max(x, (tl_v8){0} - 87.0f);
     const tl_v8 t = x * 1.44269504088896341f;
     const tl_v8 r = (t + 12582912.0f) - 12582912.0f;
@@ -569,6 +561,7 @@ static inline __attribute__((always_inline)) void attend_item_v8(
      * inside one block: their rows lie token_stride apart, one table lookup a tile. */
     const int64_t Dh = nv * 8, heads = kvn * group;
     const int64_t kv_bytes = kv_dtype == TL_FLOAT32 ? 4 : 2;
+    const int64_t row_bytes = kvn * Dh * kv_bytes; /* the item's heads of one token: contiguous */
     tl_v8 qv[TL_V8_MAX_VECS], acc[TL_V8_MAX_VECS], lsum[TL_V8_MAX_HEADS];
     float m[TL_V8_MAX_HEADS];
     float qf[TL_V8_MAX_NV * 8] __attribute__((aligned(32)));
@@ -593,18 +586,17 @@ static inline __attribute__((always_inline)) void attend_item_v8(
          * prefetcher cannot guess them), a share of its lines before each query head, so that the
          * requests stream evenly under the arithmetic instead of queueing up in one burst. */
         if (t + n < len) next_n = kv_tile(table, t + n, len, TL_V8_SPAN, block_size, token_stride, &next_row0);
-        const int64_t row_bytes = kvn * Dh * kv_bytes; /* the item's heads of one token: contiguous */
         const int64_t pf_share = (next_n * ((row_bytes + 63) / 64) + heads - 1) / heads;
         int64_t pf_row = 0, pf_byte = 0;
         for (int64_t g = 0; g < kvn; g++) {
             const int64_t head_off = (g0 + g) * Dh;
             /* Rows past the tile's end point at its first (masked out of the scores, weight 0). */
             const float *krow[TL_V8_SPAN], *vrow[TL_V8_SPAN];
-            for (int64_t i = 0; i < TL_V8_SPAN; i++) {
-                const int64_t index = row0 + (i < n ? i : 0) * token_stride + head_off;
-                krow[i] = i < n ? v8_row(kv_dtype, k_cache, index, Dh, kt[i]) : krow[0];
-                vrow[i] = i < n ? v8_row(kv_dtype, v_cache, index, Dh, vt[i]) : vrow[0];
+            for (int64_t i = 0; i < n; i++) {
+                krow[i] = v8_row(kv_dtype, k_cache, row0 + i * token_stride + head_off, Dh, kt[i]);
+                vrow[i] = v8_row(kv_dtype, v_cache, row0 + i * token_stride + head_off, Dh, vt[i]);
             }
+            for (int64_t i = n; i < TL_V8_SPAN; i++) krow[i] = krow[0], vrow[i] = vrow[0];
             for (int64_t j = 0; j < group; j++) {
                 const int64_t h = g * group + j;
                 const tl_v8 *qh = qv + h * nv;
@@ -618,10 +610,10 @@ static inline __attribute__((always_inline)) void attend_item_v8(
                 const tl_v8 s0 = v8_select(valid0, scores8(nv, qh, krow), (tl_v8){0} - INFINITY);
                 const tl_v8 s1 = n > 8 ? v8_select(valid1, scores8(nv, qh, krow + 8), (tl_v8){0} - INFINITY)
                                        : (tl_v8){0} - INFINITY;
-                /* Rescale only when a score passes the running max by TL_V8_SLACK: weights up to
-                 * e^slack are harmless in float32, and the branch is then almost never taken. */
+                /* Rescale only past TL_RESCALE_SLACK: the branch is then almost never taken, instead
+                 * of a horizontal max and a mispredicted branch on every tile. */
                 const tl_v8 mx = v8_max(s0, s1);
-                const tl_v8i over = mx > (tl_v8){0} + (m[h] + TL_V8_SLACK);
+                const tl_v8i over = mx > (tl_v8){0} + (m[h] + TL_RESCALE_SLACK);
                 tl_v8 a[TL_V8_MAX_NV];
                 for (int64_t c = 0; c < nv; c++) a[c] = acc[h * nv + c];
                 if (over[0] | over[1] | over[2] | over[3] | over[4] | over[5] | over[6] | over[7]) {
@@ -632,8 +624,8 @@ static inline __attribute__((always_inline)) void attend_item_v8(
                     m[h] = m_new;
                 }
                 const tl_v8 mh = (tl_v8){0} + m[h];
-                const tl_v8 e0 = v8_select(valid0, exp8_small(s0 - mh), (tl_v8){0});
-                const tl_v8 e1 = v8_select(valid1, exp8_small(s1 - mh), (tl_v8){0});
+                const tl_v8 e0 = v8_select(valid0, exp8(s0 - mh), (tl_v8){0});
+                const tl_v8 e1 = v8_select(valid1, exp8(s1 - mh), (tl_v8){0});
                 lsum[h] += e0 + e1;
                 *(tl_v8 *)p = e0;
                 *(tl_v8 *)(p + 8) = e1;
@@ -1420,7 +1412,7 @@ static void silu_mul_f32(float *gate_up, int64_t M, int64_t I) {
         const float *up = g + I;
         for (int64_t i = 0; i < I8; i += 8) {
             const tl_v8 gv = *(const tl_v8u *)(g + i);
-            const tl_v8 e = exp8_nonpositive(v8_select(gv > 0.0f, (tl_v8){0} - gv, gv)); /* exp(-|g|) */
+            const tl_v8 e = exp8(v8_select(gv > 0.0f, (tl_v8){0} - gv, gv)); /* exp(-|g|) */
             const tl_v8 sig = v8_select(gv > 0.0f, 1.0f / (1.0f + e), e / (1.0f + e));
             *(tl_v8u *)(g + i) = gv * sig * *(const tl_v8u *)(up + i);
         }
