@@ -150,7 +150,12 @@ def test_fused_layer_with_a_bfloat16_cache_matches_the_torch_layer(rows: int) ->
     expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv.bfloat16(), meta)
     with torch.inference_mode():
         float_cache = layer(x.clone(), positions, cos_sin, kv.clone(), meta)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # K/V summed in another order can round to the neighbouring bfloat16 (one such element moves the
+    # output by ~2.5e-3 here), far inside what the bfloat16 cache itself moves it (~0.16): the fused
+    # output sits with the torch layer's on a bfloat16 cache, not with a float32 one.
+    tolerance = 5e-5 * expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=tolerance)
+    assert (got - float_cache).abs().max() > 10 * tolerance
     # The new rows: one bfloat16 rounding of K/V computed in another summation order.
     torch.testing.assert_close(kv_fused.float(), kv_torch.float(), rtol=2**-7, atol=1e-5)
     assert (kv_fused.view(torch.int16) != kv.bfloat16().view(torch.int16)).any()  # written through

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tokenline.model.model_store import tokenline_home
+from tokenline.model.panel_weight import PANEL
 from tokenline.model.quantization import BLOCK, CODE_BLOCK_BYTES
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,8 @@ class CpuKernels:
         lib.tl_rms_norm_bf16.restype = None
         lib.tl_rotary_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I]
         lib.tl_rotary_bf16.restype = None
-        lib.tl_linear_f32.argtypes = [_P, _P, _P, _I, _I, _I]
-        lib.tl_linear_f32.restype = None
+        lib.tl_linear_panels_f32.argtypes = [_P, _P, _P, _I, _I, _I]
+        lib.tl_linear_panels_f32.restype = None
         lib.tl_linear_q.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _I]
         lib.tl_linear_q.restype = None
         lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
@@ -128,10 +129,17 @@ class CpuKernels:
         self._lib.tl_linear_bf16_blocked(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, n, k, block_n, pairs)
         return y
 
-    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` in float32 for a few rows; x [M, K] and weight [N, K] contiguous float32
-        (with N a multiple of 4 and K of 8, a row's outputs do not depend on M)."""
-        return self._linear_plain("linear_f32", self._lib.tl_linear_f32, torch.float32, x, weight)
+    def linear_panels_f32(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+        """``x @ w.T`` in float32 for any number of rows, w [n, K] held as column panels
+        (model/panel_weight.py); x [M, K] contiguous. A row's outputs do not depend on M."""
+        if x.dtype != torch.float32 or panels.dtype != torch.float32 or x.dim() != 2 or panels.dim() != 3:
+            raise ValueError("linear_panels_f32 takes 2-D float32 activations and 3-D float32 panels")
+        m, k = x.shape
+        if (not (x.is_contiguous() and panels.is_contiguous()) or panels.shape != (-(-n // PANEL), k, PANEL)):
+            raise ValueError(f"linear_panels_f32: shapes {tuple(x.shape)} x {tuple(panels.shape)} do not hold a [{n}, {k}] product")
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._lib.tl_linear_panels_f32(x.data_ptr(), panels.data_ptr(), y.data_ptr(), m, n, k)
+        return y
 
     @staticmethod
     def _linear_plain(name: str, fn: Any, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -226,7 +234,7 @@ class CpuKernels:
         K/V write into the paged cache, attention, o_proj + residual, norm, gate|up, SiLU * up,
         down + residual. ``scratch`` holds at least :func:`decode_layer_scratch` floats."""
         m, hidden = x.shape
-        inter = w.gate_up.shape[0] // 2
+        inter = w.intermediate
         if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= m <= DECODE_LAYER_MAX_ROWS:
             raise ValueError(f"decode_layer_f32_ takes 1..{DECODE_LAYER_MAX_ROWS} contiguous float32 rows")
         if hidden != w.input_norm.shape[0] or scratch.numel() < decode_layer_scratch(m, w) or w.head_dim % 2:
@@ -264,26 +272,29 @@ def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
     """Floats of scratch ``decode_layer_f32_`` needs for ``rows`` rows: the activations, then the
     rows' sums over blocks of 32 (read with quantized weights)."""
     hidden, q_width = w.input_norm.shape[0], w.heads * w.head_dim
-    widest = max(hidden, q_width, w.gate_up.shape[0] // 2)
-    return rows * (hidden + w.qkv.shape[0] + q_width + w.gate_up.shape[0] + widest // BLOCK)
+    qkv_width = q_width + 2 * w.kv_heads * w.head_dim
+    widest = max(hidden, q_width, w.intermediate)
+    return rows * (hidden + qkv_width + q_width + 2 * w.intermediate + widest // BLOCK)
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One Llama layer's weights as ``decode_layer_f32`` reads them (plain row-major matrices, or
-    their quantized blocks by ``fmt``; the tensors are held so their pointers stay valid)."""
+    """One Llama layer's weights as ``decode_layer_f32`` reads them: float32 column panels
+    (model/panel_weight.py) or, by ``fmt``, row-major quantized blocks (the tensors are held so
+    their pointers stay valid)."""
 
     input_norm: torch.Tensor  # [H] float32
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]: q | k | v rows
+    qkv: torch.Tensor  # q | k | v rows: [(heads + 2 kv_heads) * head_dim, H]
     o: torch.Tensor  # [H, heads * head_dim]
     post_norm: torch.Tensor  # [H] float32
-    gate_up: torch.Tensor  # [2 I, H]: gate | up rows
+    gate_up: torch.Tensor  # gate | up rows: [2 I, H]
     down: torch.Tensor  # [H, I]
     eps: float
     heads: int
     kv_heads: int
     head_dim: int
-    fmt: int = 0  # 0: float32 matrices; else quantization.FORMAT_CODES: uint8 blocks [N, K / 32 * bytes]
+    intermediate: int  # I
+    fmt: int = 0  # 0: float32 panels [ceil(N / 16), K, 16]; else quantization.FORMAT_CODES: uint8 blocks [N, K / 32 * bytes]
 
     def check(self) -> None:
         norms, matrices = (self.input_norm, self.post_norm), (self.qkv, self.o, self.gate_up, self.down)
@@ -291,18 +302,17 @@ class DecodeLayerWeights:
         if (any(t.dtype != torch.float32 for t in norms)
                 or any(t.dtype != dtype for t in matrices)
                 or any(t.device.type != "cpu" or not t.is_contiguous() for t in (*norms, *matrices))):
-            raise ValueError("decode_layer_f32 takes contiguous CPU weights: float32, or uint8 blocks by fmt")
+            raise ValueError("decode_layer_f32 takes contiguous CPU weights: float32 panels, or uint8 blocks by fmt")
         hidden = self.input_norm.shape[0]
         q_width = self.heads * self.head_dim
-        inter = self.gate_up.shape[0] // 2
 
-        def width(k: int) -> int:  # a row of a [N, k] weight, in elements (float32) or bytes (blocks)
-            return k if self.fmt == 0 else k // BLOCK * CODE_BLOCK_BYTES[self.fmt]
+        def shape(n: int, k: int) -> tuple[int, ...]:  # a [n, k] weight as this format holds it
+            return (-(-n // PANEL), k, PANEL) if self.fmt == 0 else (n, k // BLOCK * CODE_BLOCK_BYTES[self.fmt])
 
-        if (self.qkv.shape != (q_width + 2 * self.kv_heads * self.head_dim, width(hidden))
-                or self.o.shape != (hidden, width(q_width)) or self.gate_up.shape[1] != width(hidden)
-                or self.down.shape != (hidden, width(inter))
-                or (self.fmt and any(k % BLOCK for k in (hidden, q_width, inter)))):
+        if (self.qkv.shape != shape(q_width + 2 * self.kv_heads * self.head_dim, hidden)
+                or self.o.shape != shape(hidden, q_width) or self.gate_up.shape != shape(2 * self.intermediate, hidden)
+                or self.down.shape != shape(hidden, self.intermediate)
+                or (self.fmt and any(k % BLOCK for k in (hidden, q_width, self.intermediate)))):
             raise ValueError("decode_layer_f32: weight shapes do not fit one another")
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata, paged_attention
 from tokenline.model.config import ModelConfig
+from tokenline.model import panel_weight
 from tokenline.model.packed_weight import PackedWeight, pack
 from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
 
@@ -31,10 +32,6 @@ PACKED_BATCH_HINT = 32
 # float wins. 2 threads on the AVX2 box here, the default model's gate|up: 4.7 vs 5.8 ms at 64 rows,
 # 8.7 vs 7.2 at 128 (the head, 49k rows: 105 vs 130 ms even at 128; a float copy of it is 113 MB).
 QUANTIZED_GEMV_ROWS = 128
-# float32 on CPU: up to this many rows our kernel (tl_linear_f32) beats MKL's sgemm, which reads a
-# weight at a third of the bandwidth at 2-9 rows (2 threads on the AVX2 box here: the head at 1 row
-# 9.3 vs 5.5 ms, at 8 rows 25 vs 7 ms; gate|up at 16 rows 0.89 vs 0.77 ms, at 32 MKL wins).
-F32_GEMV_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -156,13 +153,17 @@ class Linear(nn.Linear):
     goes through our weight-streaming kernel, reading the same packed bytes. The plain weight is
     then dropped (``weight`` is None; :meth:`plain_weight` rebuilds it), so the layer holds one
     copy. It is kept only where our kernel cannot read oneDNN's layout, or with
-    ``TOKENLINE_KEEP_PLAIN_WEIGHTS=1`` (to measure the memory it costs). float32 on CPU: up to
-    ``F32_GEMV_ROWS`` rows (decode steps, the LM head's sampled rows) through our kernel, whose sums
-    differ from MKL's only in order; more rows, other dtypes and devices use ``F.linear``.
+    ``TOKENLINE_KEEP_PLAIN_WEIGHTS=1`` (to measure the memory it costs). float32 on CPU: the weight
+    is repacked into column panels (model/panel_weight.py) and every call, whatever its rows, goes
+    through our outer-product kernel, faster than MKL's sgemm on the plain weight from 1 row to
+    thousands on the AVX2 box here; its sums differ from MKL's only in order, and a row's outputs do
+    not depend on the other rows (a prefill and a decode step compute a token's projections alike).
+    Other dtypes and devices use ``F.linear``.
     """
 
     _kernels: cpu_kernels.CpuKernels | None = None
     _packed: PackedWeight | None = None
+    _panels: torch.Tensor | None = None
     _quantized: QuantizedWeight | None = None
 
     def quantize_(self, fmt: str) -> bool:
@@ -178,8 +179,12 @@ class Linear(nn.Linear):
 
     def prepare_for_inference(self, keep_plain: bool = False) -> None:
         weight = self.weight
-        if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32 and self.bias is None:
-            self._kernels = cpu_kernels.load()  # a few rows through tl_linear_f32
+        if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self._kernels = cpu_kernels.load()
+            if self._kernels is not None:
+                self._panels = panel_weight.pack(weight)
+                if not keep_plain:
+                    self.register_parameter("weight", None)
             return
         if weight is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return
@@ -198,17 +203,41 @@ class Linear(nn.Linear):
             return self.weight
         if self._quantized is not None:
             return self._quantized.dequantize()
+        if self._panels is not None:
+            return panel_weight.unpack(self._panels, self.out_features)
         assert self._packed is not None
         if self._packed.layout is None:
             return self._packed.onednn.to_dense()
         return self._packed.unpack()
 
+    def float32_panels(self) -> torch.Tensor | None:
+        """The weight as float32 column panels: the layer's own once prepared, else packed now from a
+        plain float32 CPU weight (a copy); None for other weights."""
+        if self._panels is not None:
+            return self._panels
+        weight = self.weight
+        if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return None
+        return panel_weight.pack(weight)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the [out, in] weight, read from however the layer holds it (a tied
+        embedding's lookup)."""
+        if self._panels is not None:
+            return panel_weight.rows(self._panels, ids)
+        if self._packed is not None and self._packed.layout is not None:
+            return self._packed.rows(ids)
+        return F.embedding(ids, self.plain_weight())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._quantized is not None:
             return self._quantized_forward(x)
-        if (self._kernels is not None and x.dim() == 2 and x.dtype == torch.float32 and self.weight is not None
-                and self.weight.dtype == torch.float32 and x.shape[0] <= F32_GEMV_ROWS):
-            return self._kernels.linear_f32(x.contiguous(), self.weight)
+        if self._panels is not None and self._kernels is not None:
+            rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+            y = self._kernels.linear_panels_f32(rows, self._panels, self.out_features)
+            if self.bias is not None:
+                y += self.bias
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self._kernels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
             if self.weight is not None:
                 return self._kernels.linear_bf16(x.contiguous(), self.weight)
@@ -254,7 +283,7 @@ class MergedLinear(Linear):
 
 class PackedEmbedding(nn.Module):
     """The token embedding of a model whose head is tied to it, looked up in the head's packed
-    weight: the matrix is held once, in oneDNN's layout."""
+    weight (oneDNN's layout, or float32 panels): the matrix is held once."""
 
     def __init__(self, head: Linear) -> None:
         super().__init__()
@@ -262,9 +291,7 @@ class PackedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        packed = self.head[0]._packed
-        assert packed is not None
-        return packed.rows(input_ids)
+        return self.head[0].weight_rows(input_ids)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -300,7 +327,7 @@ def prepare_for_inference(model: nn.Module, quantization: str | None = None) -> 
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepare_for_inference(keep_plain=keep_plain or (tied and module is head))
-    if tied and not keep_plain and head._packed is not None and head._packed.layout is not None:
+    if tied and not keep_plain and (head._panels is not None or (head._packed is not None and head._packed.layout is not None)):
         model.embed_tokens = PackedEmbedding(head)
         head.register_parameter("weight", None)
 

@@ -51,17 +51,17 @@ class LlamaDecoderLayer(nn.Module):
             return None
         quantized = [lin._quantized for lin in linears]
         if all(q is None for q in quantized):
-            matrices = [lin.weight for lin in linears]
-            if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" for t in matrices):
+            panels = [lin.float32_panels() for lin in linears]
+            if any(t is None for t in panels):
                 return None
-            fmt = 0
+            matrices, fmt = panels, 0
         elif len({q.fmt if q else None for q in quantized}) == 1:  # one format, every projection
             matrices, fmt = [q.blocks for q in quantized if q is not None], quantized[0].code  # type: ignore[union-attr]
         else:
             return None
         ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))
         return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim, fmt)
+                                  attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt)
 
 
 class LlamaForCausalLM(DecoderLM):
