@@ -1149,8 +1149,8 @@ static void panel_rows(const float *x, const float *panel, float *y, int64_t M, 
             const int rows = (int)(M - m0 < TL_MR ? M - m0 : TL_MR);
             /* The slice's first row group reads it from memory. With 2-16 rows, too little arithmetic
              * a slice to hide that, prefetch it 32 panel rows (2 KB) ahead, on into the next slice or
-             * panel: a step's linears at 8 rows 0.82-0.97x the time (A/B, four runs). One row keeps up without; from
-             * 32 rows the prefetches cost more than they hide (1.09x). */
+             * panel: a step's linears at 8 rows 0.82-0.97x the time (A/B, four runs). One row keeps
+             * up without; from 32 rows the prefetches cost more than they hide (1.09x). */
             panel_tile_dispatch(x + m0 * K + k0, K, panel + k0 * TL_PANEL, y + m0 * N, N, rows, width,
                                 k0 > 0 || accumulate, cols, m0 == 0 && M > 1 && M <= 16);
         }
