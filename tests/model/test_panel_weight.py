@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tokenline.model import cpu_kernels, panel_weight
 from tokenline.model.layers import Linear, PackedEmbedding, prepare_for_inference
+from tests.model.test_packed_weight import TinyTied
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -83,14 +84,6 @@ def test_float32_linear_holds_only_panels_and_takes_the_kernel_at_every_batch(bi
     kept = Linear(64, 40, bias=False)
     kept.prepare_for_inference(keep_plain=True)
     assert kept.weight is not None and kept._panels is not None
-
-
-class TinyTied(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(300, 64)
-        self.lm_head = Linear(64, 300, bias=False)
-        self.lm_head.weight = self.embed_tokens.weight
 
 
 @needs_kernels
