@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.model import cpu_kernels, panel_weight
-from tokenline.model.layers import Linear, PackedEmbedding, prepare_for_inference
+from tokenline.model.layers import F32_PANEL_ROWS, Linear, PackedEmbedding, prepare_for_inference
 from tests.model.test_packed_weight import TinyTied
 
 kernels = cpu_kernels.load()
@@ -68,7 +68,7 @@ def test_kernel_rejects_inputs_that_do_not_fit() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("bias", [False, True])
-def test_float32_linear_holds_only_panels_and_takes_the_kernel_at_every_batch(bias: bool, monkeypatch) -> None:
+def test_float32_linear_holds_only_panels_and_takes_the_kernel_below_prefill_sizes(bias: bool, monkeypatch) -> None:
     layer = Linear(64, 40, bias=bias)
     weight = layer.weight.detach().clone()
     layer.prepare_for_inference()
@@ -78,9 +78,11 @@ def test_float32_linear_holds_only_panels_and_takes_the_kernel_at_every_batch(bi
     original = layer._kernels.linear_panels_f32  # type: ignore[union-attr]
     monkeypatch.setattr(layer._kernels, "linear_panels_f32", lambda x, p, n: calls.append(x.shape[0]) or original(x, p, n))
     with torch.inference_mode():
-        for x in (torch.randn(3, 64), torch.randn(2, 100, 64)):  # a few rows; a batch of long prompts
+        # a few rows; two prompts in one chunk; a long prefill chunk (MKL on a transient plain copy)
+        for x in (torch.randn(3, 64), torch.randn(2, 100, 64), torch.randn(F32_PANEL_ROWS, 64)):
             torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert calls == [3, 200]
+    assert layer.weight is None  # the plain copy was transient
     kept = Linear(64, 40, bias=False)
     kept.prepare_for_inference(keep_plain=True)
     assert kept.weight is not None and kept._panels is not None

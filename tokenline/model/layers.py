@@ -24,6 +24,10 @@ from tokenline.model.packed_weight import PackedWeight, pack
 from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
 
 # Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
+# float32 on CPU: below this many rows our panel kernel beats MKL's sgemm (2 threads on the AVX2 box
+# here, the default model's layer: 5.3 vs 7.0 ms at 64 rows, 18.6 vs 18.3 at 256); from here a
+# prefill chunk multiplies by a transient plain copy with MKL (2048 rows: 114 vs 150 ms, the copy 3.4).
+F32_PANEL_ROWS = 512
 SMALL_BATCH_ROWS = 2
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32
@@ -154,10 +158,10 @@ class Linear(nn.Linear):
     then dropped (``weight`` is None; :meth:`plain_weight` rebuilds it), so the layer holds one
     copy. It is kept only where our kernel cannot read oneDNN's layout, or with
     ``TOKENLINE_KEEP_PLAIN_WEIGHTS=1`` (to measure the memory it costs). float32 on CPU: the weight
-    is repacked into column panels (model/panel_weight.py) and every call, whatever its rows, goes
-    through our outer-product kernel, faster than MKL's sgemm on the plain weight from 1 row to
-    thousands on the AVX2 box here; its sums differ from MKL's only in order, and a row's outputs do
-    not depend on the other rows (a prefill and a decode step compute a token's projections alike).
+    is repacked into column panels (model/panel_weight.py, the only copy held) and calls of fewer
+    than ``F32_PANEL_ROWS`` rows (decode steps, short prefill chunks, the LM head's sampled rows) go
+    through our outer-product kernel, whose sums differ from MKL's only in order and do not depend
+    on the other rows; a longer prefill chunk unpacks a transient plain copy for MKL's sgemm.
     Other dtypes and devices use ``F.linear``.
     """
 
@@ -234,7 +238,10 @@ class Linear(nn.Linear):
             return self._quantized_forward(x)
         if self._panels is not None and self._kernels is not None:
             rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-            y = self._kernels.linear_panels_f32(rows, self._panels, self.out_features)
+            if rows.shape[0] < F32_PANEL_ROWS:
+                y = self._kernels.linear_panels_f32(rows, self._panels, self.out_features)
+            else:
+                y = F.linear(rows, panel_weight.unpack(self._panels, self.out_features))
             if self.bias is not None:
                 y += self.bias
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
