@@ -130,8 +130,8 @@ class CpuKernels:
         return y
 
     def linear_panels_f32(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-        """``x @ w.T`` in float32 for any number of rows, w [n, K] held as column panels
-        (model/panel_weight.py); x [M, K] contiguous. A row's outputs do not depend on M."""
+        """``x @ w.T`` in float32, w [n, K] held as column panels (model/panel_weight.py); x [M, K]
+        contiguous, any M (fastest below layers.F32_PANEL_ROWS). A row's outputs do not depend on M."""
         if x.dtype != torch.float32 or panels.dtype != torch.float32 or x.dim() != 2 or panels.dim() != 3:
             raise ValueError("linear_panels_f32 takes 2-D float32 activations and 3-D float32 panels")
         m, k = x.shape

@@ -16,18 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenline.model import cpu_kernels
+from tokenline.model import cpu_kernels, panel_weight
 from tokenline.model.attention import AttentionMetadata, paged_attention
 from tokenline.model.config import ModelConfig
-from tokenline.model import panel_weight
 from tokenline.model.packed_weight import PackedWeight, pack
 from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
 
 # Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
-# float32 on CPU: below this many rows our panel kernel beats MKL's sgemm (2 threads on the AVX2 box
-# here, the default model's layer: 5.3 vs 7.0 ms at 64 rows, 18.6 vs 18.3 at 256); from here a
-# prefill chunk multiplies by a transient plain copy with MKL (2048 rows: 114 vs 150 ms, the copy 3.4).
-F32_PANEL_ROWS = 512
 SMALL_BATCH_ROWS = 2
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32
@@ -36,6 +31,10 @@ PACKED_BATCH_HINT = 32
 # float wins. 2 threads on the AVX2 box here, the default model's gate|up: 4.7 vs 5.8 ms at 64 rows,
 # 8.7 vs 7.2 at 128 (the head, 49k rows: 105 vs 130 ms even at 128; a float copy of it is 113 MB).
 QUANTIZED_GEMV_ROWS = 128
+# float32 on CPU: below this many rows our panel kernel beats MKL's sgemm (2 threads on the AVX2 box
+# here, the default model's layer: 5.3 vs 7.0 ms at 64 rows, 18.6 vs 18.3 at 256); from here a
+# prefill chunk multiplies by a transient plain copy with MKL (2048 rows: 114 vs 150 ms, the copy 3.4).
+F32_PANEL_ROWS = 512
 
 
 class RMSNorm(nn.Module):

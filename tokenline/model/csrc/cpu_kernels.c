@@ -11,8 +11,8 @@
  *   blocks in place (no gather of the history into a padded copy, no mask). The cache is in the
  *   queries' dtype, or bfloat16 beside float32 queries (--kv-cache-dtype bfloat16: rows widened
  *   on the portable vector path).
- * - tl_linear_panels_f32: y = x @ w^T in float32 for any number of rows, w held in column panels
- *   for an outer-product register tile (faster than MKL's sgemm on the plain weight here).
+ * - tl_linear_panels_f32: y = x @ w^T in float32 for up to a few hundred rows, w held in column
+ *   panels for an outer-product register tile (faster than MKL's sgemm on the plain weight there).
  * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
  *   read in place and widened to floats in registers.
  * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
