@@ -1,5 +1,6 @@
 """One copy of each float32 linear weight on CPU: column panels, read by our outer-product kernel
-for every batch size, by a tied embedding, and by anyone who asks for the plain weight back."""
+below prefill sizes, unpacked for MKL past them, read by a tied embedding and by anyone who asks for
+the plain weight back."""
 
 from __future__ import annotations
 

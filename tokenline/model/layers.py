@@ -223,14 +223,17 @@ class Linear(nn.Linear):
             return None
         return panel_weight.pack(weight)
 
+    def has_readable_packed_copy(self) -> bool:
+        """Whether the layer holds its weight packed in a layout :meth:`weight_rows` reads (float32
+        panels, or oneDNN tiles whose layout we recognised), so the plain copy can go."""
+        return self._panels is not None or (self._packed is not None and self._packed.layout is not None)
+
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the [out, in] weight, read from however the layer holds it (a tied
-        embedding's lookup)."""
+        """Rows ``ids`` of the [out, in] weight, read from the packed copy (a tied embedding's lookup)."""
         if self._panels is not None:
             return panel_weight.rows(self._panels, ids)
-        if self._packed is not None and self._packed.layout is not None:
-            return self._packed.rows(ids)
-        return F.embedding(ids, self.plain_weight())
+        assert self._packed is not None and self._packed.layout is not None
+        return self._packed.rows(ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._quantized is not None:
@@ -333,7 +336,7 @@ def prepare_for_inference(model: nn.Module, quantization: str | None = None) -> 
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepare_for_inference(keep_plain=keep_plain or (tied and module is head))
-    if tied and not keep_plain and (head._panels is not None or (head._packed is not None and head._packed.layout is not None)):
+    if tied and not keep_plain and head.has_readable_packed_copy():
         model.embed_tokens = PackedEmbedding(head)
         head.register_parameter("weight", None)
 

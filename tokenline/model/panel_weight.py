@@ -25,7 +25,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """A fresh plain [n, K] copy (for a reader that needs the matrix; not on a hot path)."""
+    """A fresh plain [n, K] copy: for a reader that needs the matrix, and for MKL's sgemm on a long
+    prefill chunk (layers.F32_PANEL_ROWS), where the copy costs a few percent of the product."""
     count, k, _ = panels.shape
     return panels.transpose(1, 2).reshape(count * PANEL, k)[:n].contiguous()
 
