@@ -102,3 +102,39 @@ def test_fallback_path_is_consistent(tok: Tokenizer) -> None:
     out.append(detok.flush())
     assert "".join(out) == MULTIBYTE
     assert not any(FFFD in d for d in out)
+
+
+def test_prompt_ending_inside_a_character(tok: Tokenizer) -> None:
+    # A token-id prompt may end in a stray UTF-8 byte; the output's text must not take the prompt's
+    # with it. Found on a random `bench serve` prompt: ... "epsilon" + a lone continuation byte,
+    # then the model's two bytes of "ע".
+    prompt = [34713, 2637, 35941, 120]
+    assert tok.decode(prompt).endswith(FFFD)
+    gen = [162, 112, 162, 117, 162]
+    deltas = _stream(tok, gen, prompt_token_ids=prompt)
+    assert deltas[0] == ""  # half a character
+    assert "".join(deltas) == tok.decode(gen) == "עק" + FFFD
+
+
+def test_random_prompt_tails_never_leak_into_the_output(tok: Tokenizer) -> None:
+    rng = random.Random(1)
+    gen = tok.encode(MULTIBYTE, add_special_tokens=False)  # starts with a whole character
+    partial = [i for i in range(1000) if FFFD in tok.decode([i])]  # lone UTF-8 bytes
+    broken = 0
+    for _ in range(40):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        for _ in range(rng.randrange(1, 4)):
+            prompt.insert(rng.randrange(len(prompt) + 1), rng.choice(partial))
+        broken += FFFD in tok.decode(prompt[-4:])
+        deltas = _stream(tok, gen, prompt_token_ids=prompt)
+        assert "".join(deltas) == MULTIBYTE
+        assert not any(FFFD in d for d in deltas)
+    assert broken >= 5  # the premise: many of these tails hold broken characters
+
+
+def test_prompt_tail_starting_inside_a_character(tok: Tokenizer) -> None:
+    # The last four ids of this prompt begin with an emoji's last bytes: the context widens.
+    prompt = tok.encode("say 😀😀", add_special_tokens=False)
+    assert FFFD in tok.decode(prompt[-4:]) or len(prompt) < 8
+    deltas = _stream(tok, tok.encode(" ok 你好", add_special_tokens=False), prompt_token_ids=prompt)
+    assert "".join(deltas) == " ok 你好"

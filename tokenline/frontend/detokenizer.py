@@ -5,10 +5,15 @@ decoding such a token alone gives U+FFFD. `tokenizers.decoders.DecodeStream` dec
 window of recent ids and only releases text once it no longer ends in an incomplete character,
 so a split character is emitted once, whole. If DecodeStream ever rejects a step (it raises when
 a decoder rewrites text already emitted), we fall back to decoding the whole output each step.
+
+The prompt's last tokens are decoding context. DecodeStream mishandles a context whose text holds
+an unfinished character (it then emits the context itself with the first output text), which a
+token-id prompt can end in; such a prompt takes the whole-output path from the start.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
@@ -18,9 +23,27 @@ from tokenline.frontend.tokenizer import Tokenizer
 __all__ = ["IncrementalDetokenizer"]
 
 # Prompt tokens used as decoding context: enough for decoders whose output depends on the previous
-# token (SentencePiece's leading-space handling), few enough to keep the first step cheap.
+# token (SentencePiece's leading-space handling), few enough to keep the first step cheap. A tail
+# that starts inside a character (an emoji's last bytes) is widened, up to the second figure.
 _PROMPT_CONTEXT_TOKENS = 4
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 _REPLACEMENT = "\ufffd"
+
+
+def _prompt_context(tokenizer: Tokenizer, prompt_token_ids: Sequence[int] | None,
+                    skip_special_tokens: bool) -> tuple[list[int], bool]:
+    """The prompt tail to decode with the output, and whether its text is whole (no U+FFFD):
+    the shortest tail of at least ``_PROMPT_CONTEXT_TOKENS`` ids that decodes cleanly, else the
+    shortest tail and False."""
+    if not prompt_token_ids:
+        return [], True
+    decode = tokenizer.backend.decode
+    longest = min(len(prompt_token_ids), _MAX_PROMPT_CONTEXT_TOKENS)
+    for n in range(min(_PROMPT_CONTEXT_TOKENS, longest), longest + 1):
+        tail = list(prompt_token_ids[-n:])
+        if _REPLACEMENT not in decode(tail, skip_special_tokens=skip_special_tokens):
+            return tail, True
+    return list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]), False
 
 
 class IncrementalDetokenizer:
@@ -41,8 +64,11 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         # Context ids are decoded with the output but never emitted: for SentencePiece a first
         # generated "▁Hello" is " Hello" after a prompt, and "Hello" at the start of a text.
-        self._context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_token_ids else []
-        self._stream: DecodeStream | None = DecodeStream(self._context or None, skip_special_tokens=self._skip)
+        self._context, whole = _prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._stream: DecodeStream | None = (
+            DecodeStream(self._context or None, skip_special_tokens=self._skip) if whole else None
+        )
+        self._context_text = tokenizer.backend.decode(self._context, skip_special_tokens=self._skip)
         self._token_ids: list[int] = []
         self._emitted_chars = 0
         self._pending = False  # ids pushed since the last text DecodeStream released
@@ -103,12 +129,10 @@ class IncrementalDetokenizer:
 
     def _full_text(self) -> str:
         """Decoding of all generated ids, in the context of the prompt tail."""
-        decode = self._tokenizer.backend.decode
-        text = decode(self._context + self._token_ids, skip_special_tokens=self._skip)
-        if not self._context:
-            return text
-        context_text = decode(self._context, skip_special_tokens=self._skip)
-        return text[len(context_text) :] if text.startswith(context_text) else text
+        text = self._tokenizer.backend.decode(self._context + self._token_ids, skip_special_tokens=self._skip)
+        # Where the output's first bytes finish the prompt's last character, that character
+        # belongs to the output; the rest of the prompt's text never does.
+        return text[len(os.path.commonprefix([self._context_text, text])) :]
 
     def _slow_delta(self, final: bool) -> str:
         text = self._full_text()
