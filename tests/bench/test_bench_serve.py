@@ -39,6 +39,7 @@ class FakeState:
     first_delay: float = FIRST_DELAY
     chunk_delay: float = CHUNK_DELAY
     send_usage: bool = True
+    held_first: bool = False  # the first token's text is held back (half a character): an empty chunk
     fail_ordinals: set[int] = field(default_factory=set)  # arrival ordinals answered with HTTP 500
     arrivals: int = 0
     in_flight: int = 0
@@ -71,9 +72,10 @@ def make_app(state: FakeState) -> FastAPI:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
         n = int(body["max_tokens"])
 
-        def chunk(text: str) -> str:
+        def chunk(text: str, role: bool = False) -> str:
             if chat:
-                choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+                delta = {"role": "assistant", "content": text} if role else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
             else:
                 choice = {"index": 0, "text": text, "finish_reason": None}
             # Python's default separators (", " and ": "), unlike vLLM's compact JSON: both must parse.
@@ -84,12 +86,13 @@ def make_app(state: FakeState) -> FastAPI:
         async def stream() -> AsyncIterator[str]:
             left = True
             try:
-                yield chunk("")  # an empty first chunk (like a chat role chunk) is not the first token
+                if chat:
+                    yield chunk("", role=True)  # the role announcement is not the first token
                 await asyncio.sleep(state.first_delay)
                 for i in range(n):
                     if i:
                         await asyncio.sleep(state.chunk_delay)
-                    yield chunk(f" t{i}")
+                    yield chunk("" if state.held_first and i == 0 else f" t{i}")
                 if state.send_usage:
                     usage = {"prompt_tokens": len(body.get("prompt") or []) or 1, "completion_tokens": n,
                              "total_tokens": n + (len(body.get("prompt") or []) or 1)}
@@ -234,6 +237,22 @@ def test_no_usage_counts_chunks_and_chat_endpoint(fake_server: tuple[str, FakeSt
         assert body["model"] == "named"
         (message,) = body["messages"]
         assert message["role"] == "user" and len(message["content"].split()) == 16
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_token_sent_without_text_counts(fake_server: tuple[str, FakeState], tokenizer_dir: Path,
+                                          endpoint: str) -> None:
+    # A server holding back a token's text (half a character) sends its chunk empty, as vLLM does:
+    # the token arrived then, so TTFT ends there and the chunk counts (vLLM's client counts it too).
+    base_url, state = fake_server
+    state.reset(send_usage=False, held_first=True, first_delay=0.3, chunk_delay=0.2)
+    report = run(BenchServeConfig(base_url=base_url, concurrency=1, num_prompts=2, input_len=8, output_len=3,
+                                  endpoint=endpoint, tokenizer_dir=str(tokenizer_dir)))
+    assert (report.completed, report.failed) == (2, 0)
+    assert report.total_output_tokens == 6  # counted by chunks: the empty one is a token
+    assert 300 <= report.ttft_ms["p50"] < 450  # not 500: the role chunk is not output, the empty one is
+    itl = report.itl_ms["mean"]
+    assert itl is not None and 180 <= itl < 300
 
 
 def test_timeout_fails_requests(fake_server: tuple[str, FakeState], tokenizer_dir: Path) -> None:

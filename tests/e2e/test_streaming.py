@@ -220,3 +220,34 @@ def test_chat_logprob_bytes_reassemble_the_streamed_text(utf8_runs: dict) -> Non
     raw = b"".join(bytes(entry["bytes"]) for c in chunks if c["choices"][0]["logprobs"]
                    for entry in c["choices"][0]["logprobs"]["content"])
     assert raw.decode("utf-8", errors="replace") == full_text
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    pytest.param(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "🎉🎉🎉🎉 " * 4}]}, id="chat"),
+    pytest.param(COMPLETIONS, {"model": MODEL, "prompt": "🎉🎉🎉🎉🎉🎉🎉🎉"}, id="completions"),
+])
+def test_every_token_gets_its_chunk(client: httpx.Client, path: str, body: dict) -> None:
+    # As vLLM streams: a token whose text is held back (half a character) still sends its chunk,
+    # with empty text, so a client counting chunks counts tokens and times the first one.
+    chunks = chunks_of(client, path, {**body, "max_tokens": 12, "ignore_eos": True, "temperature": 0,
+                                      "stream_options": {"include_usage": True}})
+    *content, last = chunks
+    if path == CHAT:
+        assert content[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        content = content[1:]
+    assert len(content) == last["usage"]["completion_tokens"] == 12
+    deltas = [delta_text(path, c["choices"][0]) for c in content]
+    if any(len(ch.encode()) == 4 for ch in "".join(deltas)):  # an emoji spans several byte tokens here
+        assert "" in deltas, deltas
+
+
+def test_a_token_id_prompt_ending_inside_a_character(client: httpx.Client) -> None:
+    # The prompt's last id is a stray UTF-8 byte: its text ("... tookepsilon" + U+FFFD) is never output.
+    body = {"model": MODEL, "prompt": [34713, 2637, 35941, 120], "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0}
+    full = client.post(COMPLETIONS, json=body)
+    assert full.status_code == 200, full.text
+    text = full.json()["choices"][0]["text"]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks_of(client, COMPLETIONS, body))
+    assert streamed == text
+    assert "tookepsilon" not in text, text

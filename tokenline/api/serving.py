@@ -394,14 +394,17 @@ class OpenAIServing:
         want_logprobs = gen.params.logprobs is not None
         sent_role: set[int] = set()  # choices whose first chunk (the role) went out
 
-        def entries(choice: SequenceState, delta: str, logprobs: list[TokenLogprobs]) -> list[ChatCompletionChunkChoice]:
+        def entries(update: SequenceUpdate) -> list[ChatCompletionChunkChoice]:
+            choice, delta, logprobs = update.seq, update.text, update.logprobs
             out = []
             if choice.index not in sent_role:
                 sent_role.add(choice.index)
                 out.append(ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content="")))
-            if not (delta or choice.finished or (want_logprobs and logprobs)):
+            if not (delta or choice.finished or (want_logprobs and logprobs) or update.num_new_tokens):
                 return out
-            message = DeltaMessage(content=delta) if delta else DeltaMessage()
+            # A token whose text is held back (half a character, a possible stop string) still gets
+            # its chunk, empty, as vLLM sends it: clients count tokens by chunks.
+            message = DeltaMessage(content=delta) if delta or not choice.finished else DeltaMessage()
             finish_reason = choice.finish_reason
             if choice.chat_output is not None:
                 message, finish_reason = _shaped_delta(choice, delta)
@@ -486,10 +489,12 @@ class OpenAIServing:
         text_offset: dict[int, int] = {}  # characters already streamed per choice (logprobs.text_offset)
         ids_sent: dict[int, int] = {}  # token ids already streamed per choice (return_token_ids)
 
-        def entries(choice: SequenceState, delta: str, logprobs: list[TokenLogprobs]) -> list[CompletionChoice]:
+        def entries(update: SequenceUpdate) -> list[CompletionChoice]:
+            choice, delta, logprobs = update.seq, update.text, update.logprobs
             sent = ids_sent.get(choice.index)
             new_ids = choice.token_ids[sent or 0 :] if want_ids else []
-            if not (delta or choice.finished or (want_logprobs and logprobs) or new_ids):
+            # A token whose text is held back still gets its chunk (text ""), as in vLLM.
+            if not (delta or choice.finished or (want_logprobs and logprobs) or new_ids or update.num_new_tokens):
                 return []
             entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
             if want_ids:  # vLLM's shape: the delta's ids, and the prompt's on a choice's first chunk
@@ -527,7 +532,7 @@ class OpenAIServing:
         gen: _Generation,
         request: ChatCompletionRequest | CompletionRequest,
         chunk_type: type[ChatCompletionChunk] | type[CompletionChunk],
-        entries: Callable[[SequenceState, str, list[TokenLogprobs]], list[Any]],
+        entries: Callable[[SequenceUpdate], list[Any]],
     ) -> AsyncIterator[str]:
         """The SSE frame both APIs share: one chunk per choice entry, the usage chunk, [DONE];
         an error after the headers went out becomes an error event."""
@@ -540,7 +545,7 @@ class OpenAIServing:
                 events = [
                     frame.event([entry], gen.usage() if continuous else None)
                     for update in updates
-                    for entry in entries(update.seq, update.text, update.logprobs)
+                    for entry in entries(update)
                 ]
                 if events:
                     yield "".join(events)

@@ -94,7 +94,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     output_tokens: int = 0
-    ttft: float | None = None  # None: no chunk carried text
+    ttft: float | None = None  # None: no chunk carried output
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     usage_reported: bool = False
@@ -314,21 +314,32 @@ def _has_text(data: str, key: str) -> bool:
     the server it measures. A key can't match inside a string value, where its quotes are escaped,
     and ``""`` after the key can only be the empty string.
     """
+    j = _value_at(data, key)
+    return 0 <= j and j + 1 < len(data) and data[j] == '"' and data[j + 1] != '"'
+
+
+def _value_at(data: str, key: str) -> int:
+    """Where the value of ``key`` starts in the JSON text ``data`` (-1: no such key)."""
     i = data.find(key)
     if i < 0:
-        return False
+        return -1
     j = i + len(key)
     while j < len(data) and data[j] == " ":
         j += 1
-    return j + 1 < len(data) and data[j] == '"' and data[j + 1] != '"'
+    return j
 
 
-def _carries_text(data: str, chat: bool) -> bool:
+def _carries_output(data: str, chat: bool) -> bool:
+    """Whether a stream chunk brings generated output: text, or a token whose text the server holds
+    back (half a character) and sends empty, as vLLM's client counts it. Not the chat role
+    announcement, the usage chunk, or a closing chunk with nothing but its finish reason."""
+    j = _value_at(data, '"finish_reason":')
+    unfinished = j >= 0 and data.startswith("null", j)
     if not chat:
-        return _has_text(data, '"text":')
+        return _has_text(data, '"text":') or ('"text":' in data and unfinished)
     # Reasoning models stream their thinking first; it is output too (it costs decode steps).
     return (_has_text(data, '"content":') or _has_text(data, '"reasoning_content":')
-            or _has_text(data, '"reasoning":'))
+            or _has_text(data, '"reasoning":') or ('"delta":' in data and '"role":' not in data and unfinished))
 
 
 async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int,
@@ -355,7 +366,7 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], pr
                     if data == "[DONE]":
                         finished = True
                         break
-                    if _carries_text(data, chat):
+                    if _carries_output(data, chat):
                         if content_chunks == 0:
                             result.ttft = now - start
                         else:
