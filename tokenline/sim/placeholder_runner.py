@@ -25,7 +25,11 @@ class SimClock:
 
 class PlaceholderRunner:
     """Samples ``(last token + 1) % vocab`` for each sampling sequence (accepting any drafts) and
-    moves ``clock`` on by what ``step_model`` predicts for the batch."""
+    moves ``clock`` on by what ``step_model`` predicts for the batch.
+
+    ``filler_token_id``, when set, is sampled instead: a token whose repeats a chat template renders
+    back as the same ids, so a simulated multi-turn chat hits the prefix cache on its earlier answers
+    as a real model's answers do (consecutive ids re-tokenize otherwise and miss from there)."""
 
     def __init__(self, clock: SimClock, step_model: StepTimeModel, vocab_size: int,
                  avoid_token_ids: frozenset[int] = frozenset(), step_overhead_s: float = 0.0) -> None:
@@ -35,6 +39,7 @@ class PlaceholderRunner:
         # Never sampled (a served replica's special tokens and EOS): its text stays ordinary text.
         self.avoid_token_ids = avoid_token_ids
         self.step_overhead_s = step_overhead_s  # a server's host time per step (the profile's)
+        self.filler_token_id: int | None = None
 
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
         self.clock.advance(self.step_model.predict(batch_features(batch)) + self.step_overhead_s)
@@ -49,6 +54,9 @@ class PlaceholderRunner:
         return out
 
     def _next(self, token: int, banned: object) -> int:
+        filler = self.filler_token_id
+        if filler is not None and filler not in banned and filler not in self.avoid_token_ids:  # type: ignore[operator]
+            return filler
         token = (token + 1) % self.vocab_size
         while token in banned or token in self.avoid_token_ids:  # type: ignore[operator]
             token = (token + 1) % self.vocab_size

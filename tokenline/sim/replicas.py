@@ -123,6 +123,21 @@ class ChatConversations:
     def session(self, conversation: int) -> str | None:
         return self.workload.conversations[conversation].conversation_id  # bench serve sends it as `user`
 
+    def filler_token_id(self, answer_len: int) -> int | None:
+        """A token whose ``answer_len`` repeats, fed back as an answer, render as the same ids after
+        the first turn's prompt (``PlaceholderRunner.filler_token_id``); None if no candidate does."""
+        if not self.workload.conversations or self.turns(0) < 2:
+            return None
+        first = self.prompt(0, 0, [])
+        for text in (" the", " a", "the"):
+            ids = self.tokenizer.encode_chat(text)
+            if len(ids) != 1:
+                continue
+            answer = ids * answer_len
+            if self.prompt(0, 1, [answer])[: len(first) + answer_len] == first + answer:
+                return ids[0]
+        return None
+
 
 @dataclass
 class ReplicaCounters:
@@ -384,6 +399,10 @@ def simulate_replicas(profile: Profile, config: SimConfig, fleet: FleetConfig,
     cores = {name: build_sim_core(target, config, clock, kv_events=True) for name, clock in clocks.items()}
     overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
     conversations = fleet_conversations(config, fleet, target.vocab_size)
+    if isinstance(conversations, ChatConversations):
+        filler = conversations.filler_token_id(config.output_len)
+        for core in cores.values():
+            core.runner.filler_token_id = filler  # type: ignore[attr-defined]
     run = run_fleet_closed_loop(cores, clocks, policy, conversations, config.output_len, config.concurrency,
                                 overhead, config.block_size)
     result = report(run.run, config, target.model, f"simulated: {fleet.replicas} x {policy.name}")
