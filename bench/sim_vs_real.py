@@ -42,7 +42,6 @@ from tokenline.sim.replicas import FleetConfig, simulate_replicas  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
 from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
-from tokenline.sim.step_model import StepModel  # noqa: E402
 
 TOKENLINE = [sys.executable, "-m", "tokenline.cli"]
 KEYS = ("p50_ttft_ms", "p50_tpot_ms", "p50_e2e_ms")
@@ -131,7 +130,7 @@ def row(profile: Profile, workload: Workload, real: dict, steps: list[dict], loa
 def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[dict]) -> tuple[dict, float, float]:
     """The simulation with the step model moved to the real run's own speed: the decode-step
     factor (median wall / predicted over its busy pure-decode steps) on a, c, d and g, the prefill
-    one (median of what the prefill tokens took over b·P) on b. A shared machine's load changes
+    one (median of what the prefill tokens took over their predicted cost) on b and its hinge. A shared machine's load changes
     both, and not alike."""
     served = scaled_step_model(profile.step_model, profile.step_scale)
     m, g = served, profile.step_overhead_s
@@ -139,11 +138,10 @@ def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[di
     decode = statistics.median(w / (m.predict(f) + g) for f, w in busy if f.prefill_tokens == 0)
     # What is not the prefill tokens' own b·P in a mixed step (its decode rows, context, the unfused
     # step's price) runs at the decode factor.
-    prefill_rows = [(w - decode * (m.predict(f) - m.b * f.prefill_tokens + g))
-                    / (m.b * f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0] if m.b > 0 else []
+    prefill_rows = [(w - decode * (m.predict(f) - m.prefill_s(f.prefill_tokens) + g))
+                    / m.prefill_s(f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0] if m.b > 0 else []
     prefill = statistics.median(prefill_rows) if prefill_rows else decode
-    model = StepModel(m.a * decode, m.b * prefill, m.c * decode, m.d * decode, m.residual_rms_s, m.e * decode,
-                      m.f * decode, m.knots, tuple(h * decode for h in m.hinges))
+    model = m.scaled(decode, prefill)
     at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})
     return workload.simulate(at_speed, seed), decode, prefill
 

@@ -483,6 +483,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token + {m.c * 1e3:.3f} ms/decode seq "
           f"+ {m.e * 1e3:.3f} ms x log2(1 + decode seqs) "
           + "".join(f"+ {h * 1e3:.3f} ms/decode seq past {k} " for k, h in zip(m.knots, m.hinges))
+          + (f"+ {m.prefill_hinge * 1e3:.4f} ms/prefill token past {m.prefill_knot} " if m.prefill_knot else "")
           + f"+ {m.d * 1e6:.4f} us/attended context token + {m.f * 1e3:.3f} ms off the fused decode path  (fit rms {m.residual_rms_s * 1e3:.2f} ms over "
           f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
     if profile.server_steps:

@@ -114,3 +114,34 @@ def test_hinges_at_knots_follow_a_decode_curve_that_bends_upwards(tmp_path) -> N
     assert Profile.read(tmp_path / "p.json").step_model == bent
     with pytest.raises(ValueError, match="hinge"):
         StepModel(a=0, b=0, c=0, d=0, knots=(4,), hinges=())
+
+
+def test_a_prefill_hinge_at_the_best_of_its_candidate_knots(tmp_path) -> None:
+    """Prefill tokens that cost more each past some step size (2.8 ms a token to ~900 tokens, 3.4 at
+    2048 on the CPU here): one slope misprices both ends; the fit tries each candidate knot and
+    keeps the closest, and the profile round-trips it."""
+    from tokenline.sim.profile import Profile
+
+    truth = StepModel(a=0.02, b=0.0028, c=0.003, d=5e-6, prefill_knot=1024, prefill_hinge=0.0012)
+    rng = random.Random(3)
+    features = [StepFeatures(p, n, 200 * n + p) for p in (0, 0, 32, 128, 384, 512, 896, 1024, 1536, 2048)
+                for n in (0, 1, 8, 16) if p + n]
+    durations = [truth.predict(f) * (1 + rng.gauss(0, 0.01)) for f in features]
+    line = fit_step_model(features, durations)
+    hinged = fit_step_model(features, durations, prefill_knots=(512, 1024, 1536, 4096))  # 4096: past every step
+    assert (line.prefill_knot, line.prefill_hinge) == (0, 0.0)
+    assert hinged.prefill_knot == 1024 and hinged.prefill_hinge == pytest.approx(0.0012, rel=0.15)
+    for p in (128, 2048):
+        f = StepFeatures(p, 0, p)
+        assert hinged.predict(f) == pytest.approx(truth.predict(f), rel=0.03)
+        assert abs(line.predict(f) / truth.predict(f) - 1) > 0.05
+    assert hinged.residual_rms_s < line.residual_rms_s / 2
+    # Scaled apart: decode terms by one factor, the prefill slope and hinge by another.
+    f = StepFeatures(2048, 4, 3000)
+    both = hinged.scaled(1.5, 0.5)
+    decode_part = hinged.predict(f) - hinged.prefill_s(2048)
+    assert both.predict(f) == pytest.approx(1.5 * decode_part + 0.5 * hinged.prefill_s(2048), rel=1e-9)
+    profile = Profile(step_model=hinged, model="m", dtype="float32", machine={}, vocab_size=10, max_model_len=64,
+                      kv_bytes_per_token=4)
+    profile.write(tmp_path / "p.json")
+    assert Profile.read(tmp_path / "p.json").step_model == hinged

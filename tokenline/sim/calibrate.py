@@ -39,6 +39,9 @@ class CalibrationDesign:
     decode_steps: int = 5  # output tokens per decode-batch request: its prefill step, then decode steps
     repeats: int = 2
     max_seconds: float = 180.0  # the design stops early (keeping what it has) past this
+    # Where a step's prefill tokens may start to cost more each (step_model's prefill hinge): the fit
+    # takes the best of these. The decode batches' prefill steps reach 1024 and 2048 tokens.
+    prefill_knots: tuple[int, ...] = (512, 1024, 1536)
 
 
 @dataclass
@@ -138,7 +141,7 @@ def calibrate(
     # The decode curve may bend at each inner batch size of the design (step_model's hinges).
     batches = design.decode_batches
     knots = tuple(sorted(b for b in set(batches) if min(batches) < b < max(batches)))
-    step_model = fit_step_model(features, durations, knots)
+    step_model = fit_step_model(features, durations, knots, design.prefill_knots)
     kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
     machine = machine_info(device)
     machine.update(measure_roofline(runner.dtype))
@@ -151,7 +154,7 @@ def calibrate(
         # steps the decode batches and contexts a server runs (an offline-only fit put batch-8 steps
         # 15 % high against a real server's, its context cost taken from contexts of 32-256).
         step_model = fit_step_model(features + [f for f, _ in server.steps],
-                                    durations + [w for _, w in server.steps], knots)
+                                    durations + [w for _, w in server.steps], knots, design.prefill_knots)
         fit = server.fit(step_model)
     return Profile(
         step_model=step_model,

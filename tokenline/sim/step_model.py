@@ -1,5 +1,6 @@
-"""The step-time model: step_s = a + b·prefill_tokens + c·decode_seqs + e·log2(1 + decode_seqs)
-+ Σ_k h_k·max(0, decode_seqs − k) + d·attended_context_tokens + f·[off the fused path].
+"""The step-time model: step_s = a + b·prefill_tokens + b'·max(0, prefill_tokens − p) + c·decode_seqs
++ e·log2(1 + decode_seqs) + Σ_k h_k·max(0, decode_seqs − k) + d·attended_context_tokens
++ f·[off the fused path].
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
@@ -10,7 +11,9 @@ beyond, so its curve bends upwards, and a straight line through 1..32 sequences 
 steps 14-17 % too slow (two sessions). The last is a step's price for leaving the engine's
 one-call decode layer (a step of more than ``FUSED_DECODE_ROWS`` tokens: the torch operators'
 dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both regimes put
-small-batch multi-turn decode steps 23-39 % too slow.
+small-batch multi-turn decode steps 23-39 % too slow. A step past ``prefill_knot`` prefill tokens
+may cost more per token (``prefill_hinge``): on the CPU here a 2048-token step cost 3.4 ms a token
+and a 128- to 896-token one 2.8, which one slope put 15 % high at c=1 and c=8 (their TTFT +10-20 %).
 
 Fitted by least squares on step records of the real engine (``calibrate``), and used by the
 simulator's runner to advance its clock (``simulate``).
@@ -53,6 +56,8 @@ class StepModel:
     f: float = 0.0  # seconds per step off the fused decode path (0 in profiles written before it)
     knots: tuple[int, ...] = ()  # decode batch sizes where the per-sequence cost may change
     hinges: tuple[float, ...] = ()  # seconds per decoding sequence past each knot, on top of c
+    prefill_knot: int = 0  # prefill tokens in a step past which each costs prefill_hinge more (0: none)
+    prefill_hinge: float = 0.0
 
     def __post_init__(self) -> None:
         # A profile read back from JSON gives lists.
@@ -64,13 +69,21 @@ class StepModel:
     def predict(self, f: StepFeatures) -> float:
         # A negative coefficient fitted on noise must never make time run backwards.
         past_knots = sum(h * max(0, f.decode_seqs - k) for k, h in zip(self.knots, self.hinges))
-        return max(0.0, self.a + self.b * f.prefill_tokens + self.c * f.decode_seqs + past_knots
+        return max(0.0, self.a + self.prefill_s(f.prefill_tokens) + self.c * f.decode_seqs + past_knots
                    + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens + self.f * f.unfused)
 
-    def scaled(self, factor: float) -> StepModel:
-        """Every coefficient times ``factor`` (the model is linear in them)."""
-        return StepModel(self.a * factor, self.b * factor, self.c * factor, self.d * factor, self.residual_rms_s,
-                         self.e * factor, self.f * factor, self.knots, tuple(h * factor for h in self.hinges))
+    def prefill_s(self, prefill_tokens: int) -> float:
+        """What a step's prefill tokens themselves cost: the slope, and the hinge past its knot."""
+        past = max(0, prefill_tokens - self.prefill_knot) if self.prefill_knot else 0
+        return self.b * prefill_tokens + self.prefill_hinge * past
+
+    def scaled(self, factor: float, prefill_factor: float | None = None) -> StepModel:
+        """Every coefficient times ``factor`` (the model is linear in them); the prefill ones (b and
+        the prefill hinge) times ``prefill_factor`` where given."""
+        pf = factor if prefill_factor is None else prefill_factor
+        return StepModel(self.a * factor, self.b * pf, self.c * factor, self.d * factor, self.residual_rms_s,
+                         self.e * factor, self.f * factor, self.knots, tuple(h * factor for h in self.hinges),
+                         self.prefill_knot, self.prefill_hinge * pf)
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
@@ -89,23 +102,39 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float],
-                   knots: Sequence[int] = ()) -> StepModel:
+                   knots: Sequence[int] = (), prefill_knots: Sequence[int] = ()) -> StepModel:
     """Least-squares fit of the coefficients (six, plus a hinge per knot) to measured step times,
     robust to a shared machine: no coefficient below zero (no feature makes a step faster; hinges
     only steepen the curve), and steps more than 3 scaled MADs off the fit (another process took the
-    core) are left out and the rest refitted. ``residual_rms_s`` is over the steps kept."""
+    core) are left out and the rest refitted. ``residual_rms_s`` is over the steps kept.
+
+    ``prefill_knots``: candidate knots for the prefill hinge; each below the largest prefill step is
+    fitted and the one whose fit is closest over every step (kept or not) is taken."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
-    columns = 6 + len(knots)
+    largest = max((f.prefill_tokens for f in features), default=0)
+    fits = [_fit(features, durations_s, knots, k) for k in (0, *(k for k in prefill_knots if 0 < k < largest))]
+    return min(fits, key=lambda fit: fit[1])[0]
+
+
+def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: Sequence[int],
+         prefill_knot: int) -> tuple[StepModel, float]:
+    """One fit (``prefill_knot`` 0: no prefill hinge) and its rms over every step."""
+    columns = 6 + len(knots) + bool(prefill_knot)
     if len(features) < columns:
         raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")
     x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
-                   f.unfused, *(max(0, f.decode_seqs - k) for k in knots)] for f in features])
+                   f.unfused, *(max(0, f.decode_seqs - k) for k in knots),
+                   *((max(0, f.prefill_tokens - prefill_knot),) if prefill_knot else ())] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
     coef, keep = robust_lstsq(x, y)
-    rms = float(np.sqrt(np.mean((x[keep] @ coef - y[keep]) ** 2)))
+    residual = x @ coef - y
+    rms = float(np.sqrt(np.mean(residual[keep] ** 2)))
     a, b, c, e, d, off = (float(v) for v in coef[:6])
-    return StepModel(a, b, c, d, rms, e, off, tuple(knots), tuple(float(v) for v in coef[6:]))
+    hinges = tuple(float(v) for v in coef[6 : 6 + len(knots)])
+    prefill_hinge = float(coef[-1]) if prefill_knot else 0.0
+    model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge)
+    return model, float(np.sqrt(np.mean(residual**2)))
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
