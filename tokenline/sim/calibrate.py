@@ -31,14 +31,17 @@ from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_mode
 class CalibrationDesign:
     # 64 and 96 sit either side of the one-call layer's cap (FUSED_DECODE_ROWS): they pin its jump (f).
     prefill_lens: tuple[int, ...] = (32, 64, 96, 128, 384)
-    context_lens: tuple[int, ...] = (32, 256)
+    # 1024 (batches 1-8) pins the cost per attended context token (d) where little else grows: with
+    # contexts of 32 and 256 only, d moved between 5 and 13 us from one calibration to the next,
+    # and multi-turn chats (contexts of 300-550) read 20-36 % off in TPOT.
+    context_lens: tuple[int, ...] = (32, 256, 1024)
     decode_batches: tuple[int, ...] = (1, 4, 8, 16, 32)
     # A decode batch's prompts together at most. 8192 takes batch 32 to 256-token contexts: a server
     # at c=32 decodes there, and a design that stopped at 2048 put those steps 14-25 % too fast.
     max_batch_tokens: int = 8192
     decode_steps: int = 5  # output tokens per decode-batch request: its prefill step, then decode steps
     repeats: int = 2
-    max_seconds: float = 180.0  # the design stops early (keeping what it has) past this
+    max_seconds: float = 300.0  # the design stops early (keeping what it has) past this
     # Where a step's prefill tokens may start to cost more each (step_model's prefill hinge): the fit
     # takes the best of these. The decode batches' prefill steps reach 1024 and 2048 tokens.
     prefill_knots: tuple[int, ...] = (512, 1024, 1536)
@@ -107,8 +110,10 @@ def calibrate(
         torch.set_num_threads(threads)
     model_config = ModelConfig.from_dir(model_dir)
     longest = max(max(design.prefill_lens), max(design.context_lens) + design.decode_steps)
+    # Room for the largest decode batch at once (max_batch_tokens at float32's 46 KB a token on the
+    # default model: 0.25 GiB held 22 of batch 32's 256-token sequences).
     config = EngineConfig(
-        dtype=dtype, device=device, enable_prefix_caching=False, kv_cache_memory_gib=0.25,
+        dtype=dtype, device=device, enable_prefix_caching=False, kv_cache_memory_gib=0.5,
         max_model_len=min(model_config.max_position_embeddings, max(longest, 1024)),
     )
     core = build_engine_core(config, model_dir)
