@@ -333,13 +333,17 @@ def _carries_output(data: str, chat: bool) -> bool:
     """Whether a stream chunk brings generated output: text, or a token whose text the server holds
     back (half a character) and sends empty, as vLLM's client counts it. Not the chat role
     announcement, the usage chunk, or a closing chunk with nothing but its finish reason."""
-    j = _value_at(data, '"finish_reason":')
-    unfinished = j >= 0 and data.startswith("null", j)
     if not chat:
-        return _has_text(data, '"text":') or ('"text":' in data and unfinished)
+        return _has_text(data, '"text":') or ('"text":' in data and _unfinished(data))
     # Reasoning models stream their thinking first; it is output too (it costs decode steps).
     return (_has_text(data, '"content":') or _has_text(data, '"reasoning_content":')
-            or _has_text(data, '"reasoning":') or ('"delta":' in data and '"role":' not in data and unfinished))
+            or _has_text(data, '"reasoning":') or ('"delta":' in data and '"role":' not in data and _unfinished(data)))
+
+
+def _unfinished(data: str) -> bool:
+    """Whether the chunk's choice has no finish reason yet (only asked of chunks without text)."""
+    j = _value_at(data, '"finish_reason":')
+    return j >= 0 and data.startswith("null", j)
 
 
 async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int,

@@ -31,19 +31,23 @@ _REPLACEMENT = "\ufffd"
 
 
 def _prompt_context(tokenizer: Tokenizer, prompt_token_ids: Sequence[int] | None,
-                    skip_special_tokens: bool) -> tuple[list[int], bool]:
-    """The prompt tail to decode with the output, and whether its text is whole (no U+FFFD):
-    the shortest tail of at least ``_PROMPT_CONTEXT_TOKENS`` ids that decodes cleanly, else the
-    shortest tail and False."""
+                    skip_special_tokens: bool) -> tuple[list[int], str, bool]:
+    """The prompt tail to decode with the output, its text, and whether that text is whole (no
+    U+FFFD): the shortest tail of at least ``_PROMPT_CONTEXT_TOKENS`` ids that decodes cleanly, else
+    the shortest tail and False."""
     if not prompt_token_ids:
-        return [], True
+        return [], "", True
     decode = tokenizer.backend.decode
     longest = min(len(prompt_token_ids), _MAX_PROMPT_CONTEXT_TOKENS)
+    shortest: tuple[list[int], str] | None = None
     for n in range(min(_PROMPT_CONTEXT_TOKENS, longest), longest + 1):
         tail = list(prompt_token_ids[-n:])
-        if _REPLACEMENT not in decode(tail, skip_special_tokens=skip_special_tokens):
-            return tail, True
-    return list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]), False
+        text = decode(tail, skip_special_tokens=skip_special_tokens)
+        if _REPLACEMENT not in text:
+            return tail, text, True
+        shortest = shortest or (tail, text)
+    assert shortest is not None  # the loop ran at least once: the prompt is not empty
+    return *shortest, False
 
 
 class IncrementalDetokenizer:
@@ -64,11 +68,10 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         # Context ids are decoded with the output but never emitted: for SentencePiece a first
         # generated "▁Hello" is " Hello" after a prompt, and "Hello" at the start of a text.
-        self._context, whole = _prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._context, self._context_text, whole = _prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stream: DecodeStream | None = (
             DecodeStream(self._context or None, skip_special_tokens=self._skip) if whole else None
         )
-        self._context_text = tokenizer.backend.decode(self._context, skip_special_tokens=self._skip)
         self._token_ids: list[int] = []
         self._emitted_chars = 0
         self._pending = False  # ids pushed since the last text DecodeStream released

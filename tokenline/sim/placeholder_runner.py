@@ -32,14 +32,15 @@ class PlaceholderRunner:
     as a real model's answers do (consecutive ids re-tokenize otherwise and miss from there)."""
 
     def __init__(self, clock: SimClock, step_model: StepTimeModel, vocab_size: int,
-                 avoid_token_ids: frozenset[int] = frozenset(), step_overhead_s: float = 0.0) -> None:
+                 avoid_token_ids: frozenset[int] = frozenset(), step_overhead_s: float = 0.0,
+                 filler_token_id: int | None = None) -> None:
         self.clock = clock
         self.step_model = step_model
         self.vocab_size = vocab_size
         # Never sampled (a served replica's special tokens and EOS): its text stays ordinary text.
         self.avoid_token_ids = avoid_token_ids
         self.step_overhead_s = step_overhead_s  # a server's host time per step (the profile's)
-        self.filler_token_id: int | None = None
+        self.filler_token_id = filler_token_id
 
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
         self.clock.advance(self.step_model.predict(batch_features(batch)) + self.step_overhead_s)

@@ -396,13 +396,11 @@ def simulate_replicas(profile: Profile, config: SimConfig, fleet: FleetConfig,
     target = target or sim_target(profile, config)
     policy = build_policy(fleet.routing_policy, fleet.session_affinity, config.seed)
     clocks = {f"replica-{i}": SimClock() for i in range(fleet.replicas)}
-    cores = {name: build_sim_core(target, config, clock, kv_events=True) for name, clock in clocks.items()}
-    overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
     conversations = fleet_conversations(config, fleet, target.vocab_size)
-    if isinstance(conversations, ChatConversations):
-        filler = conversations.filler_token_id(config.output_len)
-        for core in cores.values():
-            core.runner.filler_token_id = filler  # type: ignore[attr-defined]
+    filler = conversations.filler_token_id(config.output_len) if isinstance(conversations, ChatConversations) else None
+    cores = {name: build_sim_core(target, config, clock, kv_events=True, filler_token_id=filler)
+             for name, clock in clocks.items()}
+    overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
     run = run_fleet_closed_loop(cores, clocks, policy, conversations, config.output_len, config.concurrency,
                                 overhead, config.block_size)
     result = report(run.run, config, target.model, f"simulated: {fleet.replicas} x {policy.name}")

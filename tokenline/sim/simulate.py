@@ -130,16 +130,19 @@ def sim_target(profile: Profile, config: SimConfig) -> SimTarget:
     return resolve_target(profile, config.what_if, config.max_num_seqs, config.block_size)
 
 
-def build_sim_core(target: SimTarget, config: SimConfig, clock: SimClock, kv_events: bool = False) -> EngineCore:
+def build_sim_core(target: SimTarget, config: SimConfig, clock: SimClock, kv_events: bool = False,
+                   filler_token_id: int | None = None) -> EngineCore:
     """An EngineCore with the real scheduler and KV books, a pool of the target's blocks (and state
-    slots, for a hybrid model), and the placeholder runner. A fleet would build one per replica."""
+    slots, for a hybrid model), and the placeholder runner (sampling ``filler_token_id`` where given,
+    see PlaceholderRunner). A fleet would build one per replica."""
     kv_cache = KVCacheManager(target.num_kv_blocks, config.block_size, True, target.num_state_slots, kv_events)
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=target.max_model_len,
     )
-    runner = PlaceholderRunner(clock, target.step_model, target.vocab_size, step_overhead_s=target.step_overhead_s)
+    runner = PlaceholderRunner(clock, target.step_model, target.vocab_size, step_overhead_s=target.step_overhead_s,
+                               filler_token_id=filler_token_id)
     return EngineCore(runner, kv_cache, scheduler_config, clock=clock)
 
 
