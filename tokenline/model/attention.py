@@ -54,6 +54,8 @@ class AttentionMetadata:
     token_block_tables: torch.Tensor | None = None  # [T, max_blocks] int64, padded with block 0
     token_context_lens: torch.Tensor | None = None  # [T] int64
     max_token_context_len: int = 0
+    # The prefills as the C prefill attention reads them; built by the first layer that needs them.
+    prefill_spans: cpu_kernels.PrefillSpans | None = None
     # Filled by the forward: one ``gated_deltanet.PendingStates`` per linear layer with ``drafts``
     # spans; the runner commits them once acceptance is known.
     pending_states: list[Any] = field(default_factory=list)
@@ -109,6 +111,11 @@ def paged_attention(
         )
         out[:num_decode] = attended.squeeze(2)
 
+    if meta.prefills and kernels is not None and q.dtype == torch.bfloat16:
+        if meta.prefill_spans is None:
+            meta.prefill_spans = prefill_spans(meta.prefills)
+        if kernels.prefill_attention_bf16_(q, k_cache, v_cache, meta.prefill_spans, 1.0 / math.sqrt(head_dim), out):
+            return out
     if len(meta.prefills) > 1 and batches_prefills(meta.prefills, q):
         prefill_batched(q, k, v, k_cache, v_cache, meta.prefills, out)
         return out
@@ -132,6 +139,16 @@ def paged_attention(
             )
         out[span.start : end] = attended[0].transpose(0, 1)
     return out
+
+
+def prefill_spans(spans: list[PrefillSpan]) -> cpu_kernels.PrefillSpans:
+    """The spans' rows, lengths and block tables (padded with block 0) as int64 tensors."""
+    width = max(len(s.block_table) for s in spans)
+    tables = torch.zeros((len(spans), width), dtype=torch.int64)
+    for i, s in enumerate(spans):
+        tables[i, : len(s.block_table)] = s.block_table
+    columns = torch.tensor([[s.start, s.num_tokens, s.context_len] for s in spans], dtype=torch.int64).T.contiguous()
+    return cpu_kernels.PrefillSpans(columns[0], columns[1], columns[2], tables)
 
 
 def _gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,11 @@ class CpuKernels:
         lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
                                             _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
         lib.tl_decode_layer_f32.restype = None
+        lib.tl_prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_float,
+                                                  _P]
+        lib.tl_prefill_attention_bf16.restype = ctypes.c_int
+        lib.tl_silu_mul_bf16.argtypes = [_P, _P, _I, _I]
+        lib.tl_silu_mul_bf16.restype = None
         self._lib = lib
         self.path = path
         self.has_avx512bf16 = bool(lib.tl_has_avx512bf16())
@@ -182,6 +187,17 @@ class CpuKernels:
         self._lib.tl_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
         return out
 
+    def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of contiguous bfloat16 rows [..., 2I] (gate | up), as [..., I], rounded
+        as the two tensor ops round."""
+        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+            raise ValueError("silu_mul_bf16 takes contiguous bfloat16 rows of even width")
+        width = gate_up.shape[-1] // 2
+        out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.bfloat16)
+        self._lib.tl_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0,
+                                   width)
+        return out
+
     def rotary_bf16_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
                      sin: torch.Tensor) -> None:
         """Rotate the first ``num_heads`` heads (queries, then keys) of each qkv row in place.
@@ -227,6 +243,28 @@ class CpuKernels:
             block_size, max(1, max_context_len), scale,
         )
         return out
+
+    def prefill_attention_bf16_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                spans: PrefillSpans, scale: float, out: torch.Tensor) -> bool:
+        """Causal attention of prefill spans over their paged bfloat16 cache (this step's K/V already
+        in it), written into their rows of ``out``. q [T, H, Dh] heads-contiguous, out [T, H, Dh]
+        contiguous. False (nothing written) where this build or shape has no kernel: use SDPA."""
+        _, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if not (q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
+            return False
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or out.shape != q.shape:
+            return False
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return False
+        done = self._lib.tl_prefill_attention_bf16(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_heads, num_kv_heads,
+            head_dim, spans.count, spans.starts.data_ptr(), spans.num_tokens.data_ptr(), spans.context_lens.data_ptr(),
+            spans.block_tables.data_ptr(), spans.block_tables.shape[1], scale, out.data_ptr(),
+        )
+        if done < 0:
+            raise MemoryError("prefill_attention_bf16_: scratch allocation failed")
+        return done == 1
 
     def decode_layer_f32_(self, x: torch.Tensor, w: DecodeLayerWeights, rows: DecodeRows, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -327,6 +365,21 @@ class DecodeRows:
     block_tables: torch.Tensor  # [M, width] int64
     context_lens: torch.Tensor  # [M] int64
     max_context_len: int
+
+
+@dataclass(frozen=True)
+class PrefillSpans:
+    """A step's prefill spans as the prefill attention kernel reads them, built once per step and
+    shared by every layer (see attention.PrefillSpan)."""
+
+    starts: torch.Tensor  # [S] int64: first row of each span in the flat batch
+    num_tokens: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64: keys the span's last token sees, itself included
+    block_tables: torch.Tensor  # [S, width] int64, padded with block 0
+
+    @property
+    def count(self) -> int:
+        return int(self.starts.shape[0])
 
 
 DECODE_LAYER_MAX_ROWS = 64  # the most rows one decode_layer_f32_ call takes (its scratch is sized for them)

@@ -360,7 +360,12 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.is_contiguous():
+            kernels = cpu_kernels.load()
+            if kernels is not None:
+                return self.down_proj(kernels.silu_mul_bf16(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -896,6 +896,178 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * Prefill attention over a paged bfloat16 KV cache (AVX512-BF16 only; returns 0 elsewhere and the
+ * caller keeps SDPA). torch's CPU flash attention runs the default model's 256-token causal spans at
+ * ~30 GFLOP/s: most of its time is per-block overhead around small GEMMs.
+ *
+ * q:       [T, H, Dh] bf16, token stride q_stride elements, heads contiguous
+ * caches:  [num_blocks, block_size, KVH, Dh] bf16 each (this step's K/V already written)
+ * spans:   starts, ntoks, ctxs [S] int64 (token i of span s is at position ctx - ntok + i and sees
+ *          keys 0 .. that position); tables [S, width] int64
+ * out:     [T, H, Dh] bf16 contiguous (only the spans' rows are written)
+ *
+ * A work item is (span, 16 query rows, KV head) with the KV head's group of query heads. Scores are
+ * kept transposed, a key per vector and a query per lane: q.k is VDPBF16PS of the item's transposed
+ * queries (built once) against each key's dimension pairs broadcast from the cache, so the online
+ * softmax is lane-wise (no horizontal reductions), and p.v is VDPBF16PS of (p_j, p_j+1) rounded to bf16
+ * (as torch's flash attention rounds p) against (v_j[d], v_j+1[d]), the value rows of a tile
+ * interleaved once for all query heads. The output accumulates transposed, [Dh][16 queries].
+ */
+#if defined(__AVX512BF16__)
+#define TL_PF_Q 16 /* query rows per item: one per lane */
+
+static void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         int64_t block_size, int64_t KVH, int64_t Dh, int64_t group, int64_t g, int64_t start,
+                         int64_t ntok, int64_t ctx, const int64_t *table, int64_t q0, float scale, uint16_t *out,
+                         int64_t H, uint32_t *qt, float *ot, uint32_t *vp) {
+    const int64_t nq = ntok - q0 < TL_PF_Q ? ntok - q0 : TL_PF_Q, np = Dh / 2, ts = KVH * Dh;
+    const int64_t pos0 = ctx - ntok + q0; /* position of the item's first query */
+    /* qt[h][p][i]: dimension pair p of query row i, head g * group + h (zeros past nq) */
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t i = 0; i < TL_PF_Q; i++) {
+            const uint32_t *row = (const uint32_t *)(q + (start + q0 + i) * q_stride + (g * group + h) * Dh);
+            for (int64_t p = 0; p < np; p++) qt[(h * np + p) * TL_PF_Q + i] = i < nq ? row[p] : 0u;
+        }
+    memset(ot, 0, (size_t)(group * Dh * TL_PF_Q) * sizeof(float));
+    __m512 m[8], l[8];
+    for (int64_t h = 0; h < group; h++) m[h] = _mm512_set1_ps(-INFINITY), l[h] = _mm512_setzero_ps();
+    const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32((int)pos0),
+                                          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const int64_t kv_end = pos0 + nq; /* keys 0 .. the last query's position */
+    /* permutex2var indices: 16-bit element 2i takes a[i], 2i + 1 takes b[i] (b's elements are 32 + i) */
+    uint16_t lo_idx[32], hi_idx[32];
+    for (int i = 0; i < 32; i++) lo_idx[i] = (uint16_t)(i / 2 + (i % 2 ? 32 : 0)), hi_idx[i] = (uint16_t)(lo_idx[i] + 16);
+    const __m512i pair_lo = _mm512_loadu_si512((const void *)lo_idx), pair_hi = _mm512_loadu_si512((const void *)hi_idx);
+    for (int64_t t = 0; t < kv_end;) {
+        int64_t row0;
+        const int64_t n = kv_tile(table, t, kv_end, TL_TILE, block_size, ts, &row0);
+        const uint16_t *kt = k_cache + row0 + g * Dh, *vt = v_cache + row0 + g * Dh;
+        const int64_t npair = (n + 1) / 2;
+        for (int64_t j = 0; j < npair; j++) { /* vp[j][d] = (v_2j[d], v_2j+1[d]), zero past n */
+            const uint16_t *a = vt + 2 * j * ts, *b = 2 * j + 1 < n ? a + ts : NULL;
+            for (int64_t d = 0; d < Dh; d += 32) { /* 32 dims of each row -> 32 pairs, two permutes */
+                const __mmask32 lanes = Dh - d >= 32 ? 0xFFFFFFFFu : (1u << (Dh - d)) - 1u;
+                const __m512i va = _mm512_maskz_loadu_epi16(lanes, a + d);
+                const __m512i vb = b ? _mm512_maskz_loadu_epi16(lanes, b + d) : _mm512_setzero_si512();
+                const __mmask16 out_lo = Dh - d >= 16 ? 0xFFFF : (__mmask16)((1u << (Dh - d)) - 1u);
+                const __mmask16 out_hi = Dh - d >= 32 ? 0xFFFF : Dh - d > 16 ? (__mmask16)((1u << (Dh - d - 16)) - 1u) : 0;
+                _mm512_mask_storeu_epi32(vp + j * Dh + d, out_lo, _mm512_permutex2var_epi16(va, pair_lo, vb));
+                _mm512_mask_storeu_epi32(vp + j * Dh + d + 16, out_hi, _mm512_permutex2var_epi16(va, pair_hi, vb));
+            }
+        }
+        const int masked = t + n - 1 > pos0; /* some key of the tile lies after some query */
+        for (int64_t h = 0; h < group; h++) {
+            const uint32_t *qh = qt + h * np * TL_PF_Q;
+            __m512 s[TL_TILE];
+            for (int64_t j0 = 0; j0 < n; j0 += 4) {
+                const uint32_t *k0 = (const uint32_t *)(kt + j0 * ts);
+                const int64_t o1 = j0 + 1 < n ? ts / 2 : 0, o2 = j0 + 2 < n ? ts : 0, o3 = j0 + 3 < n ? 3 * ts / 2 : 0;
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t p = 0; p < np; p++) {
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qh + p * TL_PF_Q));
+                    a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_set1_epi32((int)k0[p]));
+                    a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_set1_epi32((int)k0[o1 + p]));
+                    a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_set1_epi32((int)k0[o2 + p]));
+                    a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_set1_epi32((int)k0[o3 + p]));
+                }
+                s[j0] = a0, s[j0 + 1] = a1, s[j0 + 2] = a2, s[j0 + 3] = a3;
+            }
+            __m512 mx = m[h];
+            __mmask16 valid[TL_TILE];
+            for (int64_t j = 0; j < n; j++) {
+                s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(scale));
+                /* lane i sees key t + j when that position <= its own */
+                valid[j] = masked ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(t + j)), qpos, _MM_CMPINT_LE)
+                                  : (__mmask16)0xFFFF;
+                mx = _mm512_mask_max_ps(mx, valid[j], mx, s[j]);
+            }
+            /* Key 0 is in every lane's first tile, so mx is finite from the first tile on. */
+            const __m512 alpha = exp512_nonpositive(_mm512_sub_ps(m[h], mx));
+            m[h] = mx;
+            __m512 sum = _mm512_setzero_ps();
+            __m512bh pp[TL_TILE / 2];
+            for (int64_t j = 0; j < 2 * npair; j += 2) {
+                const __m512 p0 = _mm512_maskz_mov_ps(valid[j], exp512_nonpositive(_mm512_sub_ps(s[j], mx)));
+                const __m512 p1 = j + 1 < n ? _mm512_maskz_mov_ps(valid[j + 1], exp512_nonpositive(_mm512_sub_ps(s[j + 1], mx)))
+                                            : _mm512_setzero_ps();
+                const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+                const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+                pp[j / 2] = (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                /* l sums the weights as rounded, the ones p.v uses */
+                sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                                       _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16))));
+            }
+            l[h] = _mm512_fmadd_ps(l[h], alpha, sum);
+            float *oh = ot + h * Dh * TL_PF_Q;
+            for (int64_t d0 = 0; d0 < Dh; d0 += 8) {
+                __m512 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm512_mul_ps(_mm512_loadu_ps(oh + (d0 + u) * TL_PF_Q), alpha);
+                for (int64_t j = 0; j < npair; j++) {
+                    const uint32_t *vj = vp + j * Dh + d0;
+                    for (int u = 0; u < 8; u++)
+                        acc[u] = _mm512_dpbf16_ps(acc[u], pp[j], (__m512bh)_mm512_set1_epi32((int)vj[u]));
+                }
+                for (int u = 0; u < 8; u++) _mm512_storeu_ps(oh + (d0 + u) * TL_PF_Q, acc[u]);
+            }
+        }
+        t += n;
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float inv[TL_PF_Q];
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l[h]));
+        const float *oh = ot + h * Dh * TL_PF_Q;
+        for (int64_t i = 0; i < nq; i++) {
+            uint16_t *o = out + (start + q0 + i) * H * Dh + (g * group + h) * Dh;
+            for (int64_t d = 0; d < Dh; d++) o[d] = f32_to_bf16(oh[d * TL_PF_Q + i] * inv[i]);
+        }
+    }
+}
+#endif
+
+int tl_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                              int64_t block_size, int64_t H, int64_t KVH, int64_t Dh, int64_t S, const int64_t *starts,
+                              const int64_t *ntoks, const int64_t *ctxs, const int64_t *tables, int64_t width,
+                              float scale, uint16_t *out) {
+#if defined(__AVX512BF16__)
+    const int64_t group = H / KVH;
+    if (H % KVH || group > 8 || Dh % 8 || Dh > 256 || S < 1) return 0;
+    int64_t items = 0;
+    for (int64_t s = 0; s < S; s++) items += (ntoks[s] + TL_PF_Q - 1) / TL_PF_Q * KVH;
+    int64_t *work = malloc((size_t)(3 * items) * sizeof(int64_t));
+    if (!work) return 0;
+    int64_t w = 0;
+    for (int64_t s = 0; s < S; s++) /* the longest items (last query rows) of each span first */
+        for (int64_t q0 = (ntoks[s] - 1) / TL_PF_Q * TL_PF_Q; q0 >= 0; q0 -= TL_PF_Q)
+            for (int64_t g = 0; g < KVH; g++) work[w++] = s, work[w++] = q0, work[w++] = g;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint32_t *qt = malloc((size_t)(group * Dh / 2 * TL_PF_Q) * sizeof(uint32_t));
+        float *ot = malloc((size_t)(group * Dh * TL_PF_Q) * sizeof(float));
+        uint32_t *vp = malloc((size_t)(TL_TILE / 2 * Dh) * sizeof(uint32_t));
+        if (!qt || !ot || !vp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            if (!qt || !ot || !vp) continue;
+            const int64_t s = work[3 * i], q0 = work[3 * i + 1], g = work[3 * i + 2];
+            prefill_item(q, q_stride, k_cache, v_cache, block_size, KVH, Dh, group, g, starts[s], ntoks[s], ctxs[s],
+                         tables + s * width, q0, scale, out, H, qt, ot, vp);
+        }
+        free(qt), free(ot), free(vp);
+    }
+    free(work);
+    return failed ? -1 : 1;
+#else
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_size, (void)H, (void)KVH, (void)Dh, (void)S;
+    (void)starts, (void)ntoks, (void)ctxs, (void)tables, (void)width, (void)scale, (void)out;
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------
  * RMSNorm of bfloat16 rows as the reference computes it: normalise in float32, round to
  * bfloat16, then multiply by the bfloat16 weight and round again. One pass per row instead of
  * seven tensor operations.
@@ -916,6 +1088,47 @@ void tl_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, 
         for (int64_t i = 0; i < H; i++) {
             const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[i]) * scale));
             dst[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* Each lane rounded to the nearest bfloat16 (ties to even), still as a float32; as f32_to_bf16 (NaN aside). */
+static inline __m512 round512_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+/* silu(gate) * up for bfloat16 rows [T, 2I] of gate | up (a merged projection's output) into
+ * out [T, I], rounded where the reference's two tensor ops round: silu to bfloat16, then the product.
+ * One pass instead of silu over a strided half (slow in torch) and a multiply. The same bits as torch
+ * for gates above about -87 (below, torch's exp(-x) overflows and it returns -0; this the tiny value). */
+void tl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+        uint16_t *o = out + t * I;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= I; i += 16) {
+            const __m512 x = load16(g, i, TL_BFLOAT16);
+            const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+            const __m512 e = exp512_nonpositive(neg_abs);
+            const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+            const __m512 num = _mm512_mask_mov_ps(_mm512_mul_ps(x, e), positive, x);
+            const __m512 silu = round512_bf16(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            const __m512 prod = _mm512_mul_ps(silu, load16(u, i, TL_BFLOAT16));
+            _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round512_bf16(prod)), 16)));
+        }
+#endif
+        for (; i < I; i++) {
+            const float x = bf16_to_f32(g[i]);
+            const float e = exp_nonpositive(x > 0.0f ? -x : x); /* exp(-|x|): never overflows */
+            const float silu = (x > 0.0f ? x : x * e) / (1.0f + e);
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu)) * bf16_to_f32(u[i]));
         }
     }
 }
