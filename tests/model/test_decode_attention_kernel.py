@@ -5,9 +5,7 @@ and without AVX-512 (the 8-lane vector path an AVX2 CPU runs) on this same CPU."
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -137,21 +135,6 @@ def test_large_scores_rescale_without_overflow() -> None:
     # A float32 score of several hundred carries ~3e-5 absolute rounding (its ulp), which exp turns
     # into that much relative error in the weights: the summation order (16 or 8 lanes) shows there.
     _check(ours, _reference(q, k_cache, v_cache, tables, lens), torch.float32, rtol32=1e-4)
-
-
-@pytest.fixture(scope="module")
-def portable_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], cpu_kernels.CpuKernels]:
-    """The kernels compiled with extra flags, each build once a module (both dtypes use it), in a
-    kernel cache of its own rather than the user's."""
-    home = tmp_path_factory.mktemp("portable_kernels")
-
-    @functools.cache
-    def build(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("TOKENLINE_HOME", str(home))
-            return cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=flags))
-
-    return build
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])

@@ -9,17 +9,14 @@ SDPA path runs; the builds without it and without AVX-512 are checked on this sa
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenline.model import cpu_kernels
-from tokenline.model.attention import PrefillSpan, paged_attention, prefill_spans
-from tokenline.model.attention import AttentionMetadata
+from tokenline.model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_spans
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -108,19 +105,6 @@ def test_paged_attention_takes_the_kernel_for_bfloat16_prefills() -> None:
         for s in spans
     )
     assert (out.double() - ref).abs().max().item() <= 2 * sdpa_err + 1e-3
-
-
-@pytest.fixture(scope="module")
-def portable_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str, ...]], cpu_kernels.CpuKernels]:
-    home = tmp_path_factory.mktemp("portable_kernels")
-
-    @functools.cache
-    def build(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("TOKENLINE_HOME", str(home))
-            return cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=flags))
-
-    return build
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])
