@@ -12,7 +12,7 @@ import torch
 
 from tokenline.llm import LLM
 from tokenline.model import cpu_kernels
-from tokenline.model.layers import Linear, QuantizedEmbedding
+from tokenline.model.layers import QUANTIZED_GEMV_ROWS, Linear, QuantizedEmbedding
 from tokenline.model.model_store import default_gguf_path
 from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, QuantizedWeight, quantize
 from tokenline.sampling_params import SamplingParams
@@ -127,6 +127,29 @@ def test_linear_holds_only_blocks_and_falls_back_without_kernels(monkeypatch: py
     monkeypatch.setattr(layer, "_kernels", None)  # no C compiler: dequantized per call
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     assert not Linear(40, 8).quantize_("q4_1")  # 40 inputs do not split into blocks of 32
+
+
+def test_bfloat16_prefill_rows_multiply_in_bfloat16_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model's prefill (QUANTIZED_GEMV_ROWS rows or more) through quantized blocks: the
+    weight dequantized and rounded to bfloat16 once, the product in bfloat16 on CPUs with native bf16
+    (elsewhere in float32); either way within bfloat16's rounding of the float64 product."""
+    generator = torch.Generator().manual_seed(2)
+    layer = Linear(256, 48)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 256, generator=generator))
+    assert layer.quantize_("q4_1")
+    x = torch.randn(QUANTIZED_GEMV_ROWS + 3, 256, generator=generator).bfloat16()
+    product_dtypes = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, w, b=None: product_dtypes.append(w.dtype) or linear(a, w, b))
+    y = layer(x)
+    native = cpu_kernels.load() is not None and cpu_kernels.cpu_has_native_bf16()
+    assert product_dtypes == [torch.bfloat16 if native else torch.float32]
+    assert y.dtype == torch.bfloat16 and y.shape == (QUANTIZED_GEMV_ROWS + 3, 48)
+    exact = x.double() @ layer.plain_weight().double().T
+    # |y| ~ 16 (256 N(0, 1) products): bfloat16 steps there are 0.125; a wrong block or layout is off by units
+    assert (y.double() - exact).abs().max().item() < 0.5
+    assert (y.double() - exact).abs().mean().item() < 0.05
 
 
 def _greedy(llm: LLM, prompts: list[str], tokens: int) -> list[list[int]]:
