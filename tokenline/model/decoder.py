@@ -28,7 +28,7 @@ from tokenline.model.attention import AttentionMetadata
 from tokenline.model.batch import FUSED_DECODE_ROWS
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import Cache, CausalLM
-from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding, RotaryRows
+from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding
 
 
 def _fused_decode_rows_default() -> int:
@@ -74,36 +74,43 @@ class DecoderLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Cache], meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        fused = self._fused_decode(x, positions, caches, meta)
+        if fused is not None:
+            return self.norm(fused)
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        if self._fused_decode(x, cos_sin, caches, meta):
-            return self.norm(x)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, positions, cos_sin, cache, meta)
         return self.norm(x)
 
-    def _fused_decode(self, x: torch.Tensor, cos_sin: RotaryRows, caches: list[Cache], meta: AttentionMetadata) -> bool:
-        """Run every layer on x in place through the one-call decode kernel, if this step and model allow it."""
+    def _fused_decode(
+        self, x: torch.Tensor, positions: torch.Tensor, caches: list[Cache], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Every layer through the one-call decode kernel, if this step and model allow it: the hidden
+        states after the last layer (in x's dtype), else None. The kernel computes in float32; a
+        bfloat16 model's rows (quantized projections only, see decode_weights) are widened for it."""
         rows = x.shape[0]
         if (not 1 <= rows <= self.fused_decode_rows or meta.token_context_lens is None
                 or meta.token_block_tables is None or meta.token_context_lens.shape[0] != rows
-                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()):
-            return False
+                or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"):
+            return None
         fused = self._fused_layers_or_none()
         if fused is None:
-            return False
+            return None
         kernels, weights, scratch = fused
-        cos, sin = (t.reshape(rows, -1) for t in cos_sin)
+        cos, sin = (t.reshape(rows, -1) for t in self.rotary.lookup(positions, torch.float32))
         if cos.shape[-1] != weights[0].head_dim:  # partial rotary
-            return False
+            return None
         step = cpu_kernels.DecodeRows(cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.token_block_tables,
                                       meta.token_context_lens, meta.max_token_context_len)
+        hidden = x.to(torch.float32).contiguous()  # x itself when already float32 and contiguous
         for w, cache in zip(weights, caches, strict=True):
-            kernels.decode_layer_f32_(x, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
-        return True
+            kernels.decode_layer_f32_(hidden, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
+        return hidden.to(x.dtype)
 
     def fused_step_tokens(self) -> int:
         """The most tokens a step may have for the one-call decode layers to take it; 0 when this
-        model's layers cannot run there (not plain float32 Llama layers on CPU, or no kernels). The
+        model's layers cannot run there (not plain Llama layers on CPU with float32 or quantized
+        projections, or no kernels). The
         runner builds the per-token tables they read only for such steps."""
         return self.fused_decode_rows if self.fused_decode_rows and self._fused_layers_or_none() else 0
 

@@ -41,15 +41,22 @@ class LlamaDecoderLayer(nn.Module):
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for the one-call float32 decode kernel (cpu_kernels.decode_layer_f32_),
         or None where it is not the plain Llama layer (a q/k norm, an output gate, biases) or its
-        weights are neither float32 CPU tensors nor quantized blocks of one format."""
+        weights are neither float32 CPU tensors nor quantized blocks of one format (in a float32 or
+        bfloat16 model)."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if attn.q_norm is not None or attn.output_gate or any(lin.bias is not None for lin in linears):
             return None
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in norms):
-            return None
         quantized = [lin._quantized for lin in linears]
+        if any(t.device.type != "cpu" for t in norms):
+            return None
+        if any(t.dtype != torch.float32 for t in norms):
+            # A bfloat16 model runs its decode steps here only with quantized projections (the kernel
+            # reads no bfloat16 matrices), in float32 (the norms widened, exactly).
+            if any(q is None for q in quantized):
+                return None
+            norms = tuple(t.float() for t in norms)
         if all(q is None for q in quantized):
             panels = [lin.float32_panels() for lin in linears]
             if any(t is None for t in panels):
