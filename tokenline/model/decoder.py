@@ -110,8 +110,8 @@ class DecoderLM(CausalLM):
     def fused_step_tokens(self) -> int:
         """The most tokens a step may have for the one-call decode layers to take it; 0 when this
         model's layers cannot run there (not plain Llama layers on CPU with float32 or quantized
-        projections, or no kernels). The
-        runner builds the per-token tables they read only for such steps."""
+        projections, or no kernels). The runner builds the per-token tables they read only for
+        such steps."""
         return self.fused_decode_rows if self.fused_decode_rows and self._fused_layers_or_none() else 0
 
     def _fused_layers_or_none(self) -> FusedLayers | None:
