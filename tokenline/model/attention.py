@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from tokenline.model import cpu_kernels
 from tokenline.model.prefill_attention import batches_prefills, prefill_batched
@@ -111,7 +112,7 @@ def paged_attention(
         )
         out[:num_decode] = attended.squeeze(2)
 
-    if meta.prefills and kernels is not None and q.dtype == torch.bfloat16:
+    if meta.prefills and kernels is not None and kernels.has_avx512bf16 and q.dtype == torch.bfloat16:
         if meta.prefill_spans is None:
             meta.prefill_spans = prefill_spans(meta.prefills)
         if kernels.prefill_attention_bf16_(q, k_cache, v_cache, meta.prefill_spans, 1.0 / math.sqrt(head_dim), out):
@@ -143,10 +144,7 @@ def paged_attention(
 
 def prefill_spans(spans: list[PrefillSpan]) -> cpu_kernels.PrefillSpans:
     """The spans' rows, lengths and block tables (padded with block 0) as int64 tensors."""
-    width = max(len(s.block_table) for s in spans)
-    tables = torch.zeros((len(spans), width), dtype=torch.int64)
-    for i, s in enumerate(spans):
-        tables[i, : len(s.block_table)] = s.block_table
+    tables = pad_sequence([s.block_table for s in spans], batch_first=True).to(torch.int64)
     columns = torch.tensor([[s.start, s.num_tokens, s.context_len] for s in spans], dtype=torch.int64).T.contiguous()
     return cpu_kernels.PrefillSpans(columns[0], columns[1], columns[2], tables)
 

@@ -267,22 +267,18 @@ class Linear(nn.Linear):
         q = self._quantized
         assert q is not None
         flat = x.reshape(-1, self.in_features)
-        if self._kernels is not None and flat.shape[0] >= QUANTIZED_GEMV_ROWS:
+        if self._kernels is None:
+            y = F.linear(flat.to(torch.float32), q.dequantize())
+        elif flat.shape[0] < QUANTIZED_GEMV_ROWS:
+            y = self._kernels.linear_q(flat.to(torch.float32).contiguous(), q.blocks, q.code, q.out_features)
+        else:
             weight = self._kernels.dequantize_q(q.blocks, q.code, q.out_features, q.in_features)
             if x.dtype == torch.bfloat16 and cpu_kernels.cpu_has_native_bf16():
                 y = F.linear(flat, weight.to(torch.bfloat16))
-                if self.bias is not None:
-                    y = y + self.bias.to(y.dtype)
-                return y.reshape(*x.shape[:-1], self.out_features)
-            y = F.linear(flat.to(torch.float32), weight)
-        else:
-            rows = flat.to(torch.float32).contiguous()
-            if self._kernels is None:
-                y = F.linear(rows, q.dequantize())
             else:
-                y = self._kernels.linear_q(rows, q.blocks, q.code, q.out_features)
+                y = F.linear(flat.to(torch.float32), weight)
         if self.bias is not None:
-            y = y + self.bias.float()
+            y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
