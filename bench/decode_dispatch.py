@@ -1,4 +1,4 @@
-"""Batch-1..8 decode step: the one-call fused layer (cpu_kernels.decode_layer_f32_) against the
+"""Batch-1..8 decode step: the one-call fused layer (cpu_kernels.decode_layer_) against the
 torch-operator path, side by side in one process, with a greedy-agreement check.
 
 Two copies of the same B random prompts live in one KV pool; path A (torch operators) and path B
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--dtype", default="float32", choices=["float32"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--fused-rows", type=int, default=4, help="rows the fused path takes in this bench")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()

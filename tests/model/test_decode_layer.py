@@ -1,5 +1,6 @@
-"""The one-call float32 decode layer (cpu_kernels.decode_layer_f32_) against the torch-operator
-layer it replaces, and the model's decode steps with and without it."""
+"""The one-call decode layer (cpu_kernels.decode_layer_: float32, quantized or packed bfloat16
+weights) against the torch-operator layer it replaces, and the model's decode steps with and
+without it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from tokenline.model import cpu_kernels
 from tokenline.model.attention import AttentionMetadata
 from tokenline.model.batch import FUSED_DECODE_ROWS, ScheduledBatch, ScheduledSeq
 from tokenline.model.config import ModelConfig
-from tokenline.model.layers import Attention, RMSNorm, RotaryEmbedding
+from tokenline.model.decoder import bf16_fused_rows
+from tokenline.model.layers import Attention, RMSNorm, RotaryEmbedding, prepare_for_inference, small_batch_rows
 from tokenline.model.llama import LlamaDecoderLayer
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import SamplingParams
@@ -71,9 +73,9 @@ def _fused(layer: LlamaDecoderLayer, x: torch.Tensor, cos_sin, kv: torch.Tensor,
     cos, sin = (t.reshape(x.shape[0], -1).contiguous() for t in cos_sin)
     rows = cpu_kernels.DecodeRows(cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
                                   meta.max_decode_context_len)
-    scratch = torch.empty(cpu_kernels.decode_layer_scratch(x.shape[0], weights))
+    scratch = torch.empty(cpu_kernels.decode_layer_scratch(x.shape[0], weights))  # float32, whatever x's dtype
     out = x.clone()
-    kernels.decode_layer_f32_(out, weights, rows, kv[0], kv[1], scratch)
+    kernels.decode_layer_(out, weights, rows, kv[0], kv[1], scratch)
     return out
 
 
@@ -163,12 +165,53 @@ def test_fused_layer_with_a_bfloat16_cache_matches_the_torch_layer(rows: int) ->
     assert 1e-6 < (expected - float_cache).abs().max() < 2e-2 * expected.abs().max()
 
 
-def test_only_plain_float32_layers_take_the_fused_path() -> None:
+def test_only_plain_layers_take_the_fused_path() -> None:
     config = _config(64, 96, 4, 2, 16)
     assert _random_layer(config, torch.Generator().manual_seed(0)).decode_weights() is not None
     qk_norm = LlamaDecoderLayer(config, Attention(config, qk_norm=RMSNorm))  # Qwen3's layer
     assert qk_norm.decode_weights() is None
+    # bfloat16 only once its weights are packed in a layout the kernel reads (see the test below).
     assert LlamaDecoderLayer(config).to(torch.bfloat16).decode_weights() is None
+
+
+def _packed_bf16_layer(config: ModelConfig, generator: torch.Generator) -> LlamaDecoderLayer:
+    layer = _random_layer(config, generator).to(torch.bfloat16)
+    prepare_for_inference(layer)
+    return layer
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_kernels.cpu_has_native_bf16(), reason="oneDNN packs bfloat16 weights only on native-bf16 CPUs")
+@pytest.mark.parametrize("rows", sorted({1, 2, small_batch_rows(), small_batch_rows() + 3}))
+@pytest.mark.parametrize("shape", [(576, 1536, 9, 3, 64), (100, 70, 4, 2, 24)])
+def test_bfloat16_fused_layer_is_the_torch_layer_bit_for_bit(rows: int, shape: tuple[int, ...]) -> None:
+    """A bfloat16 model's one-call layer calls the kernels its per-operator path calls at a few rows
+    (norm, the streaming linear over oneDNN's packed tiles, RoPE, the K/V write, attention, SiLU *
+    up), rounding where torch's bfloat16 tensors round: the same bits, output and cache. Past those
+    rows the torch layer multiplies with oneDNN (another summation order): within bfloat16 rounding."""
+    config = _config(*shape)
+    generator = torch.Generator().manual_seed(rows * 3 + shape[0])
+    layer = _packed_bf16_layer(config, generator)
+    weights = layer.decode_weights()
+    assert weights is not None and weights.fmt == cpu_kernels.BF16_PACKED
+    weights.check()
+    x, positions, kv, meta = _decode_step(config, rows, generator)
+    x, kv = x.bfloat16(), kv.bfloat16()
+    cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.bfloat16)
+    expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv, meta)
+    assert got.dtype == torch.bfloat16
+    if rows <= small_batch_rows():
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+        assert torch.equal(kv_fused.view(torch.int16), kv_torch.view(torch.int16))
+    else:
+        scale = expected.float().abs().max().item()
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=2**-6 * scale)
+    assert not torch.equal(kv_fused.view(torch.int16), kv.view(torch.int16))  # the new K/V written
+    assert (got.float() - x.float() - expected.float()).abs().max() > 1e-1  # the residual matters
+    shifted = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions + 1, torch.bfloat16)
+    with torch.inference_mode():
+        off_by_one = _fused(layer, x, shifted, kv.clone(), meta)
+    assert (off_by_one.float() - expected.float()).abs().max() > 1e-2  # RoPE's position matters
 
 
 @needs_kernels
@@ -184,12 +227,12 @@ def test_decode_layer_rejects_rows_that_do_not_fit() -> None:
                                   meta.max_decode_context_len)
     scratch = torch.empty(cpu_kernels.decode_layer_scratch(2, weights))
     with pytest.raises(ValueError):
-        kernels.decode_layer_f32_(x[:1], weights, rows, kv[0], kv[1], scratch)  # rows differ from the step's
+        kernels.decode_layer_(x[:1], weights, rows, kv[0], kv[1], scratch)  # rows differ from the step's
     with pytest.raises(ValueError):
-        kernels.decode_layer_f32_(x, weights, rows, kv[0], kv[1], scratch[:10])
+        kernels.decode_layer_(x, weights, rows, kv[0], kv[1], scratch[:10])
     with pytest.raises(ValueError):
         over = cpu_kernels.DECODE_LAYER_MAX_ROWS + 1  # over the row cap
-        kernels.decode_layer_f32_(torch.randn(over, 64), weights, rows, kv[0], kv[1], scratch)
+        kernels.decode_layer_(torch.randn(over, 64), weights, rows, kv[0], kv[1], scratch)
 
 
 @needs_kernels
@@ -253,7 +296,7 @@ def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path
         fused_layers = model._fused_layers_or_none()
         assert fused_layers is not None
         kernels = fused_layers[0]
-        original = kernels.decode_layer_f32_
+        original = kernels.decode_layer_
 
         def counting(x: torch.Tensor, *args: object) -> None:
             calls.append(x.shape[0])
@@ -272,7 +315,7 @@ def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path
             a_next, b_next = first["a"].token_id, first["b"].token_id
             drafts = [b_next, 101, 202, b_next, 303, 404]  # the first is wrong at once, and so on
             model.fused_decode_rows = fused_rows
-            kernels.decode_layer_f32_ = counting  # type: ignore[method-assign]
+            kernels.decode_layer_ = counting  # type: ignore[method-assign]
             try:
                 out = runner.execute(ScheduledBatch([
                     ScheduledSeq("a", [a_next], len(prompts[0]), tables[0], True, sp),
@@ -281,7 +324,7 @@ def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path
                     ScheduledSeq("c", prompts[2][16:], 16, tables[2], True, sp),
                 ]))
             finally:
-                kernels.decode_layer_f32_ = original  # type: ignore[method-assign]
+                kernels.decode_layer_ = original  # type: ignore[method-assign]
             outputs[path] = {k: (v.token_id, v.draft_targets) for k, v in out.items()}
             assert calls == ([12] * len(model.layers) if path == "fused" else [])
             calls.clear()
@@ -289,3 +332,56 @@ def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path
         assert len(outputs["fused"]["b"][1]) == 6
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_kernels.cpu_has_native_bf16(), reason="oneDNN packs bfloat16 weights only on native-bf16 CPUs")
+def test_bfloat16_model_decodes_through_the_one_call_layers(default_model_dir: Path) -> None:
+    """The real default model in bfloat16: decode steps of up to layers.small_batch_rows() sequences
+    take the one-call layers (counted) and pick the same greedy tokens, with the same log-probs, as
+    the per-operator path, whose kernels they call; the prompts are prefilled through the torch path
+    on both sides."""
+    runner = ModelRunner(default_model_dir, torch.bfloat16)
+    model = runner.model
+    fused_layers = model._fused_layers_or_none()
+    assert fused_layers is not None and fused_layers[1][0].fmt == cpu_kernels.BF16_PACKED
+    assert model.fused_step_tokens() == min(FUSED_DECODE_ROWS, bf16_fused_rows())
+    kernels = fused_layers[0]
+    per_seq, batch = 4, min(4, small_batch_rows())
+    runner.allocate_kv_cache(2 * batch * per_seq, BLOCK_SIZE)
+    sp = SamplingParams(temperature=0.0, max_tokens=64, logprobs=3).with_defaults()
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=generator).tolist() for n in (17, 30, 9, 24)[:batch]]
+    calls: list[int] = []
+    original = kernels.decode_layer_
+
+    def counting(x: torch.Tensor, *args: object) -> None:
+        calls.append(x.shape[0])
+        original(x, *args)
+
+    outputs = {}
+    kernels.decode_layer_ = counting  # type: ignore[method-assign]
+    try:
+        for path, fused_rows in (("torch", 0), ("fused", FUSED_DECODE_ROWS)):
+            base = 0 if path == "torch" else batch * per_seq
+            tables = [list(range(base + i * per_seq, base + (i + 1) * per_seq)) for i in range(batch)]
+            seqs = [list(p) for p in prompts]
+            model.fused_decode_rows = 0
+            runner.execute(ScheduledBatch([ScheduledSeq(f"s{i}", s[:-1], 0, tables[i], False, sp)
+                                           for i, s in enumerate(seqs)]))
+            model.fused_decode_rows = fused_rows
+            steps = []
+            for _ in range(6):
+                out = runner.execute(ScheduledBatch([ScheduledSeq(f"s{i}", [s[-1]], len(s) - 1, tables[i], True, sp)
+                                                     for i, s in enumerate(seqs)]))
+                steps.append([(out[f"s{i}"].token_id, out[f"s{i}"].logprobs) for i in range(batch)])
+                for i, s in enumerate(seqs):
+                    s.append(out[f"s{i}"].token_id)
+            outputs[path] = steps
+            assert calls == ([batch] * 6 * len(model.layers) if path == "fused" else [])
+            calls.clear()
+    finally:
+        kernels.decode_layer_ = original  # type: ignore[method-assign]
+        model.fused_decode_rows = FUSED_DECODE_ROWS
+    assert outputs["fused"] == outputs["torch"]
+    assert all(lp is not None for step in outputs["torch"] for _, lp in step)  # log-probs compared too

@@ -108,6 +108,9 @@ class CpuKernels:
         lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
                                             _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
         lib.tl_decode_layer_f32.restype = None
+        lib.tl_decode_layer_bf16.argtypes = [_P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P,
+                                             _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
+        lib.tl_decode_layer_bf16.restype = None
         lib.tl_prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_float,
                                                   _P]
         lib.tl_prefill_attention_bf16.restype = ctypes.c_int
@@ -266,22 +269,37 @@ class CpuKernels:
             raise MemoryError("prefill_attention_bf16_: scratch allocation failed")
         return done == 1
 
-    def decode_layer_f32_(self, x: torch.Tensor, w: DecodeLayerWeights, rows: DecodeRows, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
-        """One Llama decoder layer on float32 decode rows x [M, H], in place: norm, q|k|v, RoPE, the
-        K/V write into the paged cache, attention, o_proj + residual, norm, gate|up, SiLU * up,
-        down + residual. ``scratch`` holds at least :func:`decode_layer_scratch` floats."""
+    def decode_layer_(self, x: torch.Tensor, w: DecodeLayerWeights, rows: DecodeRows, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
+        """One Llama decoder layer on decode rows x [M, H], in place: norm, q|k|v, RoPE, the K/V write
+        into the paged cache, attention, o_proj + residual, norm, gate|up, SiLU * up, down + residual.
+        x is float32 (float32 panels or quantized weights: ``tl_decode_layer_f32``) or bfloat16
+        (oneDNN's packed bfloat16 tiles: ``tl_decode_layer_bf16``, the per-operator path's own
+        kernels and roundings). ``scratch``: at least :func:`decode_layer_scratch` float32 values."""
         m, hidden = x.shape
         inter = w.intermediate
-        if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= m <= DECODE_LAYER_MAX_ROWS:
-            raise ValueError(f"decode_layer_f32_ takes 1..{DECODE_LAYER_MAX_ROWS} contiguous float32 rows")
+        dtype = torch.bfloat16 if w.fmt == BF16_PACKED else torch.float32
+        if x.dtype != dtype or not x.is_contiguous() or not 1 <= m <= DECODE_LAYER_MAX_ROWS:
+            raise ValueError(f"decode_layer_ takes 1..{DECODE_LAYER_MAX_ROWS} contiguous {dtype} rows for these weights")
         if hidden != w.input_norm.shape[0] or scratch.numel() < decode_layer_scratch(m, w) or w.head_dim % 2:
-            raise ValueError("decode_layer_f32_: rows, weights or scratch do not fit")
-        kv_code = kv_dtype_code(k_cache, v_cache, torch.float32)
+            raise ValueError("decode_layer_: rows, weights or scratch do not fit")
+        kv_code = kv_dtype_code(k_cache, v_cache, dtype)
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or kv_code is None:
-            raise ValueError("decode_layer_f32_ needs contiguous float32 or bfloat16 caches")
-        if rows.cos.shape != (m, w.head_dim) or rows.slots.shape != (m,) or rows.block_tables.shape[0] != m:
-            raise ValueError("decode_layer_f32_: the step's rows do not fit x")
+            raise ValueError(f"decode_layer_ needs contiguous caches in {dtype} or bfloat16")
+        if (rows.cos.shape != (m, w.head_dim) or rows.cos.dtype != dtype or rows.slots.shape != (m,)
+                or rows.block_tables.shape[0] != m):
+            raise ValueError("decode_layer_: the step's rows do not fit x")
+        if w.fmt == BF16_PACKED:
+            assert w.blocking is not None
+            self._lib.tl_decode_layer_bf16(
+                x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
+                w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), w.blocking.data_ptr(), inter, w.heads,
+                w.kv_heads, w.head_dim, rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                rows.slots.data_ptr(), rows.block_tables.data_ptr(), rows.block_tables.shape[1],
+                rows.context_lens.data_ptr(), k_cache.shape[1], max(1, rows.max_context_len),
+                1.0 / math.sqrt(w.head_dim), scratch.data_ptr(),
+            )
+            return
         self._lib.tl_decode_layer_f32(
             w.fmt, kv_code, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
             w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
@@ -307,21 +325,28 @@ def _check_blocks(caller: str, blocks: torch.Tensor, code: int, n: int, k: int) 
 
 
 def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
-    """Floats of scratch ``decode_layer_f32_`` needs for ``rows`` rows: the activations, then the
-    rows' sums over blocks of 32 (read with quantized weights)."""
+    """float32 values of scratch ``decode_layer_`` needs for ``rows`` rows: the activations, then the
+    rows' sums over blocks of 32 (read with quantized weights); a bfloat16 layer's activations (two
+    a float32 value) and the projection it adds back."""
     hidden, q_width = w.input_norm.shape[0], w.heads * w.head_dim
     qkv_width = q_width + 2 * w.kv_heads * w.head_dim
+    if w.fmt == BF16_PACKED:
+        return -(-rows * (2 * hidden + qkv_width + q_width + 3 * w.intermediate) // 2)
     widest = max(hidden, q_width, w.intermediate)
     return rows * (hidden + qkv_width + q_width + 2 * w.intermediate + widest // BLOCK)
 
 
+BF16_PACKED = 3  # DecodeLayerWeights.fmt of oneDNN's packed bfloat16 tiles (TL_W_BF16_PACKED)
+
+
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """One Llama layer's weights as ``decode_layer_f32`` reads them: float32 column panels
-    (model/panel_weight.py) or, by ``fmt``, row-major quantized blocks (the tensors are held so
-    their pointers stay valid)."""
+    """One Llama layer's weights as ``decode_layer_`` reads them: float32 column panels
+    (model/panel_weight.py), by ``fmt`` row-major quantized blocks, or oneDNN's packed bfloat16
+    tiles (model/packed_weight.py) with bfloat16 norms (the tensors are held so their pointers stay
+    valid)."""
 
-    input_norm: torch.Tensor  # [H] float32
+    input_norm: torch.Tensor  # [H] float32 (bfloat16 beside packed tiles)
     qkv: torch.Tensor  # q | k | v rows: [(heads + 2 kv_heads) * head_dim, H]
     o: torch.Tensor  # [H, heads * head_dim]
     post_norm: torch.Tensor  # [H] float32
@@ -332,26 +357,37 @@ class DecodeLayerWeights:
     kv_heads: int
     head_dim: int
     intermediate: int  # I
-    fmt: int = 0  # 0: float32 panels [ceil(N / 16), K, 16]; else quantization.FORMAT_CODES: uint8 blocks [N, K / 32 * bytes]
+    # 0: float32 panels [ceil(N / 16), K, 16]; quantization.FORMAT_CODES: uint8 blocks [N, K / 32 * bytes];
+    # BF16_PACKED: flat bfloat16 tiles, their (block_n, pairs) in ``blocking``.
+    fmt: int = 0
+    blocking: torch.Tensor | None = None  # [8] int64: (block_n, pairs) of qkv, o, gate_up, down
 
     def check(self) -> None:
         norms, matrices = (self.input_norm, self.post_norm), (self.qkv, self.o, self.gate_up, self.down)
-        dtype = torch.float32 if self.fmt == 0 else torch.uint8
-        if (any(t.dtype != torch.float32 for t in norms)
+        bf16 = self.fmt == BF16_PACKED
+        dtype = torch.float32 if self.fmt == 0 else torch.bfloat16 if bf16 else torch.uint8
+        if (any(t.dtype != (torch.bfloat16 if bf16 else torch.float32) for t in norms)
                 or any(t.dtype != dtype for t in matrices)
                 or any(t.device.type != "cpu" or not t.is_contiguous() for t in (*norms, *matrices))):
-            raise ValueError("decode_layer_f32 takes contiguous CPU weights: float32 panels, or uint8 blocks by fmt")
+            raise ValueError("decode_layer_ takes contiguous CPU weights: float32 panels, uint8 blocks by fmt, "
+                             "or bfloat16 tiles beside bfloat16 norms")
+        if bf16 and (self.blocking is None or self.blocking.dtype != torch.int64 or self.blocking.shape != (8,)):
+            raise ValueError("decode_layer_: packed bfloat16 tiles need their (block_n, pairs), four pairs of int64")
         hidden = self.input_norm.shape[0]
         q_width = self.heads * self.head_dim
+        blocking = self.blocking.tolist() if bf16 and self.blocking is not None else []
 
-        def shape(n: int, k: int) -> tuple[int, ...]:  # a [n, k] weight as this format holds it
+        def shape(n: int, k: int, i: int) -> tuple[int, ...]:  # matrix i, [n, k], as this format holds it
+            if bf16:
+                block_n, pairs = blocking[2 * i], blocking[2 * i + 1]
+                return (-(-n // block_n) * block_n * -(-k // (2 * pairs)) * 2 * pairs,)
             return (-(-n // PANEL), k, PANEL) if self.fmt == 0 else (n, k // BLOCK * CODE_BLOCK_BYTES[self.fmt])
 
-        if (self.qkv.shape != shape(q_width + 2 * self.kv_heads * self.head_dim, hidden)
-                or self.o.shape != shape(hidden, q_width) or self.gate_up.shape != shape(2 * self.intermediate, hidden)
-                or self.down.shape != shape(hidden, self.intermediate)
-                or (self.fmt and any(k % BLOCK for k in (hidden, q_width, self.intermediate)))):
-            raise ValueError("decode_layer_f32: weight shapes do not fit one another")
+        if (self.qkv.shape != shape(q_width + 2 * self.kv_heads * self.head_dim, hidden, 0)
+                or self.o.shape != shape(hidden, q_width, 1) or self.gate_up.shape != shape(2 * self.intermediate, hidden, 2)
+                or self.down.shape != shape(hidden, self.intermediate, 3)
+                or (self.fmt and not bf16 and any(k % BLOCK for k in (hidden, q_width, self.intermediate)))):
+            raise ValueError("decode_layer_: weight shapes do not fit one another")
 
 
 @dataclass(frozen=True)
@@ -359,7 +395,7 @@ class DecodeRows:
     """A decode step's per-row inputs, shared by every layer: RoPE rows and where each row's K/V
     goes and attends (see attention.AttentionMetadata)."""
 
-    cos: torch.Tensor  # [M, head_dim] float32
+    cos: torch.Tensor  # [M, head_dim] float32 (bfloat16 for a bfloat16 layer: the per-operator path rotates with bfloat16 cos/sin)
     sin: torch.Tensor
     slots: torch.Tensor  # [M] int64
     block_tables: torch.Tensor  # [M, width] int64
@@ -382,7 +418,7 @@ class PrefillSpans:
         return int(self.starts.shape[0])
 
 
-DECODE_LAYER_MAX_ROWS = 64  # the most rows one decode_layer_f32_ call takes (its scratch is sized for them)
+DECODE_LAYER_MAX_ROWS = 64  # the most rows one decode_layer_ call takes (its scratch is sized for them)
 
 
 @functools.cache

@@ -7,7 +7,7 @@ it also sets the norm class and the rotary width. Every layer is called the same
 paged KV cache, a recurrent layer over its state slot).
 
 A float32 step of a few dozen tokens skips that: when every layer offers ``decode_weights()``
-(plain Llama layers), each runs as one C call (cpu_kernels.decode_layer_f32_), since at batch 1
+(plain Llama layers), each runs as one C call (cpu_kernels.decode_layer_), since at batch 1
 dispatching ~25 torch operators a layer costs as much as reading its weights. Every token is a
 decode query there (the runner's per-token tables, AttentionMetadata.token_block_tables): a decode
 row, or a token of a prefill chunk or of a draft run, attending up to its own position; the layer
@@ -28,13 +28,22 @@ from tokenline.model.attention import AttentionMetadata
 from tokenline.model.batch import FUSED_DECODE_ROWS
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import Cache, CausalLM
-from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding
+from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding, small_batch_rows
 
 
 def _fused_decode_rows_default() -> int:
     """Decode batches up to this many rows take the one-call layer kernel; 0 turns it off."""
     rows = int(os.environ.get("TOKENLINE_FUSED_DECODE_ROWS", str(FUSED_DECODE_ROWS)))
     return max(0, min(rows, cpu_kernels.DECODE_LAYER_MAX_ROWS))
+
+
+def bf16_fused_rows() -> int:
+    """The most tokens a step of a bfloat16 model may have for its one-call layers, which multiply
+    with our streaming kernel (tl_linear_bf16_blocked). Without AMX that beats the per-operator path
+    at every step size up to FUSED_DECODE_ROWS (the default model, 2 threads: 0.72x its time at 1
+    row, 0.57x at 8, 0.84x at 32; README); with AMX, where oneDNN multiplies on tiles, only up to the
+    rows its own Linear streams (layers.small_batch_rows), which then gives the same bits either way."""
+    return FUSED_DECODE_ROWS if not torch.cpu._is_amx_tile_supported() else small_batch_rows()
 
 # The kernels, every layer's weights as the fused kernel reads them, and one scratch buffer.
 FusedLayers = tuple[cpu_kernels.CpuKernels, list[cpu_kernels.DecodeLayerWeights], torch.Tensor]
@@ -86,8 +95,9 @@ class DecoderLM(CausalLM):
         self, x: torch.Tensor, positions: torch.Tensor, caches: list[Cache], meta: AttentionMetadata
     ) -> torch.Tensor | None:
         """Every layer through the one-call decode kernel, if this step and model allow it: the hidden
-        states after the last layer (in x's dtype), else None. The kernel computes in float32; a
-        bfloat16 model's rows (quantized projections only, see decode_weights) are widened for it."""
+        states after the last layer (in x's dtype), else None. Float32 and quantized weights compute
+        in float32 (a bfloat16 model's rows widened for them); oneDNN's packed bfloat16 tiles in
+        bfloat16, rounding as the per-operator path does."""
         rows = x.shape[0]
         if (not 1 <= rows <= self.fused_decode_rows or meta.token_context_lens is None
                 or meta.token_block_tables is None or meta.token_context_lens.shape[0] != rows
@@ -97,22 +107,30 @@ class DecoderLM(CausalLM):
         if fused is None:
             return None
         kernels, weights, scratch = fused
-        cos, sin = (t.reshape(rows, -1) for t in self.rotary.lookup(positions, torch.float32))
+        bf16 = weights[0].fmt == cpu_kernels.BF16_PACKED
+        if bf16 and (x.dtype != torch.bfloat16 or rows > bf16_fused_rows()):
+            return None
+        cos, sin = (t.reshape(rows, -1) for t in self.rotary.lookup(positions, x.dtype if bf16 else torch.float32))
         if cos.shape[-1] != weights[0].head_dim:  # partial rotary
             return None
         step = cpu_kernels.DecodeRows(cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.token_block_tables,
                                       meta.token_context_lens, meta.max_token_context_len)
-        hidden = x.to(torch.float32).contiguous()  # x itself when already float32 and contiguous
+        # x itself when already in the kernel's dtype and contiguous (a fresh embedding lookup).
+        hidden = (x if bf16 else x.to(torch.float32)).contiguous()
         for w, cache in zip(weights, caches, strict=True):
-            kernels.decode_layer_f32_(hidden, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
+            kernels.decode_layer_(hidden, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
         return hidden.to(x.dtype)
 
     def fused_step_tokens(self) -> int:
         """The most tokens a step may have for the one-call decode layers to take it; 0 when this
-        model's layers cannot run there (not plain Llama layers on CPU with float32 or quantized
-        projections, or no kernels). The runner builds the per-token tables they read only for
-        such steps."""
-        return self.fused_decode_rows if self.fused_decode_rows and self._fused_layers_or_none() else 0
+        model's layers cannot run there (not plain Llama layers on CPU with float32, quantized or
+        packed bfloat16 projections, or no kernels). The runner builds the per-token tables they
+        read only for such steps."""
+        fused = self._fused_layers_or_none() if self.fused_decode_rows else None
+        if fused is None:
+            return 0
+        bf16 = fused[1][0].fmt == cpu_kernels.BF16_PACKED
+        return min(self.fused_decode_rows, bf16_fused_rows()) if bf16 else self.fused_decode_rows
 
     def _fused_layers_or_none(self) -> FusedLayers | None:
         if self._fused_layers is None:

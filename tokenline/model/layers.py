@@ -8,6 +8,7 @@ greedy outputs match it token for token.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -22,8 +23,16 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.packed_weight import PackedWeight, pack
 from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
 
-# Up to this many rows (decode batches), our streaming kernel beats oneDNN on CPU bfloat16.
-SMALL_BATCH_ROWS = 2
+
+
+@functools.cache
+def small_batch_rows() -> int:
+    """Up to this many rows (decode batches) our streaming kernel beats oneDNN on CPU bfloat16: 2
+    where oneDNN multiplies on AMX tiles (the developers' machine), 8 on AVX512-BF16 without AMX
+    (2 threads, the default model's shapes: 0.4-0.9x oneDNN's time up to 8 rows, 0.9-1.1x from 16;
+    README, "Dispatch at small batches")."""
+    return 2 if torch.cpu._is_amx_tile_supported() else 8
+
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32
 # Quantized weights: below this many rows our kernel reads the blocks (up to 8 rows in place, more
@@ -247,7 +256,7 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 y += self.bias
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        if self._kernels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+        if self._kernels is not None and x.dim() == 2 and x.shape[0] <= small_batch_rows():
             if self.weight is not None:
                 return self._kernels.linear_bf16(x.contiguous(), self.weight)
             packed = self._packed

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
-from tokenline.model.cpu_kernels import DecodeLayerWeights
+from tokenline.model.cpu_kernels import BF16_PACKED, DecodeLayerWeights
 from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import DecoderLM
 from tokenline.model.interface import Cache
@@ -39,10 +39,10 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode_weights(self) -> DecodeLayerWeights | None:
-        """This layer's weights for the one-call float32 decode kernel (cpu_kernels.decode_layer_f32_),
-        or None where it is not the plain Llama layer (a q/k norm, an output gate, biases) or its
-        weights are neither float32 CPU tensors nor quantized blocks of one format (in a float32 or
-        bfloat16 model)."""
+        """This layer's weights for the one-call decode kernel (cpu_kernels.decode_layer_), or None
+        where it is not the plain Llama layer (a q/k norm, an output gate, biases) or its weights are
+        none of: float32 CPU tensors, quantized blocks of one format (in a float32 or bfloat16 model),
+        or bfloat16 weights every one of which sits in oneDNN's packed layout we read."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if attn.q_norm is not None or attn.output_gate or any(lin.bias is not None for lin in linears):
@@ -51,13 +51,22 @@ class LlamaDecoderLayer(nn.Module):
         quantized = [lin._quantized for lin in linears]
         if any(t.device.type != "cpu" for t in norms):
             return None
-        if any(t.dtype != torch.float32 for t in norms):
-            # A bfloat16 model runs its decode steps here only with quantized projections (the kernel
-            # reads no bfloat16 matrices), in float32 (the norms widened, exactly).
-            if any(q is None for q in quantized):
+        blocking = None
+        if all(t.dtype == torch.bfloat16 for t in norms) and all(q is None for q in quantized):
+            # A bfloat16 model: the packed tiles our small-batch kernel reads, each with its layout.
+            packed = [lin._packed for lin in linears]
+            if any(p is None or p.layout is None or lin.weight is not None for p, lin in zip(packed, linears)):
+                return None
+            matrices, fmt = [p.tiles for p in packed], BF16_PACKED  # type: ignore[union-attr]
+            blocking = torch.tensor([v for p in packed for v in (p.layout.block_n, p.layout.pairs)],  # type: ignore[union-attr]
+                                    dtype=torch.int64)
+        elif any(t.dtype != torch.float32 for t in norms):
+            # A bfloat16 model with quantized projections runs in float32 here (the norms widened, exactly).
+            if any(q is None for q in quantized) or len({q.fmt for q in quantized}) != 1:  # type: ignore[union-attr]
                 return None
             norms = tuple(t.float() for t in norms)
-        if all(q is None for q in quantized):
+            matrices, fmt = [q.blocks for q in quantized], quantized[0].code  # type: ignore[union-attr]
+        elif all(q is None for q in quantized):
             panels = [lin.float32_panels() for lin in linears]
             if any(t is None for t in panels):
                 return None
@@ -68,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
             return None
         ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))
         return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt)
+                                  attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt, blocking)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -1766,3 +1766,52 @@ void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H,
     silu_mul_f32(gate_up, M, I);
     layer_linear(wfmt, gate_up, w_down, x, M, H, I, 1, xs);
 }
+
+/* x = bf16(x + y) for n values: a residual add as torch adds two bfloat16 tensors. */
+static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+}
+
+/* One Llama decoder layer for a few bfloat16 decode rows in one call: the same kernels, in the same
+ * order and with the same roundings, as the per-operator path of a bfloat16 model at a handful of rows
+ * (tl_rms_norm_bf16, tl_linear_bf16_blocked on oneDNN's packed weights, tl_rotary_bf16, the K/V write,
+ * tl_decode_attention, bfloat16 residual adds, tl_silu_mul_bf16), so the outputs are the same bits;
+ * only the ~25 Python-level operators a layer between them are gone.
+ *
+ * x [M, H] bfloat16, updated in place. w_qkv, w_o, w_gate_up, w_down: packed tiles, their (NB, P) in
+ * blocking[0..8) in that order; norms [H] bfloat16; cos/sin [M, Dh] bfloat16; the rest as
+ * tl_decode_layer_f32 takes it. scratch holds M * (2 H + (heads + 2 KVH) Dh + heads Dh + 3 I)
+ * bfloat16 values. */
+void tl_decode_layer_bf16(uint16_t *x, int64_t M, int64_t H, float eps, const uint16_t *ln1, const uint16_t *w_qkv,
+                          const uint16_t *w_o, const uint16_t *ln2, const uint16_t *w_gate_up, const uint16_t *w_down,
+                          const int64_t *blocking, int64_t I, int64_t heads, int64_t kv_heads, int64_t Dh,
+                          const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache,
+                          const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *lens,
+                          int64_t block_size, int64_t max_len, float scale, uint16_t *scratch) {
+    const int64_t q_width = heads * Dh, kv_width = kv_heads * Dh, qkv_width = q_width + 2 * kv_width;
+    uint16_t *h = scratch;                  /* [M, H] normed rows */
+    uint16_t *qkv = h + M * H;              /* [M, qkv_width] */
+    uint16_t *attn = qkv + M * qkv_width;   /* [M, q_width] */
+    uint16_t *gate_up = attn + M * q_width; /* [M, 2I] */
+    uint16_t *act = gate_up + M * 2 * I;    /* [M, I]: silu(gate) * up */
+    uint16_t *proj = act + M * I;           /* [M, H]: o_proj's or down_proj's output, before the residual */
+
+    tl_rms_norm_bf16(x, ln1, h, M, H, eps);
+    tl_linear_bf16_blocked(h, w_qkv, qkv, M, qkv_width, H, blocking[0], blocking[1]);
+    tl_rotary_bf16(qkv, qkv_width, cos, sin, M, heads + kv_heads, Dh);
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *k = qkv + m * qkv_width + q_width;
+        memcpy(k_cache + slots[m] * kv_width, k, (size_t)kv_width * sizeof(uint16_t));
+        memcpy(v_cache + slots[m] * kv_width, k + kv_width, (size_t)kv_width * sizeof(uint16_t));
+    }
+    tl_decode_attention(TL_BFLOAT16, TL_BFLOAT16, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads,
+                        kv_heads, Dh, block_size, max_len, scale);
+    tl_linear_bf16_blocked(attn, w_o, proj, M, H, q_width, blocking[2], blocking[3]);
+    add_bf16(x, proj, M * H);
+
+    tl_rms_norm_bf16(x, ln2, h, M, H, eps);
+    tl_linear_bf16_blocked(h, w_gate_up, gate_up, M, 2 * I, H, blocking[4], blocking[5]);
+    tl_silu_mul_bf16(gate_up, act, M, I);
+    tl_linear_bf16_blocked(act, w_down, proj, M, H, I, blocking[6], blocking[7]);
+    add_bf16(x, proj, M * H);
+}
