@@ -9,7 +9,9 @@ script prints both processes' RSS and the engine's peak RSS (VmHWM). Then one ro
 
   new          --no-prefix-cache-fills-pool: freed KV blocks, cached or not, reused before never-touched
                ones; one copy of each linear weight
-  fills-pool   the default block order: cached prefixes kept until the whole pool is in use
+  bounded      the default: cached prefixes grow into fresh memory up to --prefix-cache-resident-memory
+               (0.5 GiB), then are evicted before more is touched
+  fills-pool   --prefix-cache-fills-pool: cached prefixes kept until the whole pool is in use
   two-copies   like new, with TOKENLINE_KEEP_PLAIN_WEIGHTS=1: the plain weights kept beside the
                oneDNN-packed ones (the weight memory before this change)
   old          fills-pool and two copies
@@ -39,7 +41,8 @@ from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_health
 
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "new": (["--no-prefix-cache-fills-pool"], {}),
-    "fills-pool": ([], {}),
+    "bounded": ([], {}),
+    "fills-pool": (["--prefix-cache-fills-pool"], {}),
     "two-copies": (["--no-prefix-cache-fills-pool"], {"TOKENLINE_KEEP_PLAIN_WEIGHTS": "1"}),
     "old": (["--prefix-cache-fills-pool"], {"TOKENLINE_KEEP_PLAIN_WEIGHTS": "1"}),
 }

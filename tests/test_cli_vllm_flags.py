@@ -65,7 +65,8 @@ def test_defaults_and_the_positional_model(default_model_dir: Path) -> None:
     assert s.model == str(default_model_dir) and s.served_model_name is None
     assert s.generation_config == "auto" and s.chat_template is None and s.engine.seed is None
     assert s.engine.enable_prefix_caching and idle == []
-    assert s.engine.prefix_cache_fills_pool  # the prefix cache keeps the pool unless asked otherwise
+    # The prefix cache grows into fresh KV memory up to 0.5 GiB of the pool, then evicts first.
+    assert s.engine.prefix_cache_fills_pool is None and s.engine.prefix_cache_resident_memory_gib == 0.5
 
 
 def test_quantization_reaches_the_engine(default_model_dir: Path) -> None:
@@ -88,6 +89,12 @@ def test_kv_cache_dtype_reaches_the_engine(default_model_dir: Path) -> None:
 def test_prefix_cache_fills_pool_reaches_the_engine(default_model_dir: Path) -> None:
     s, idle = settings(default_model_dir, "--prefix-cache-fills-pool")
     assert s.engine.prefix_cache_fills_pool and idle == []
+    assert s.engine.cache_resident_blocks(1000, 1 << 20) is None  # the whole pool
+    s, _ = settings(default_model_dir, "--no-prefix-cache-fills-pool")
+    assert s.engine.cache_resident_blocks(1000, 1 << 20) == 0
+    s, _ = settings(default_model_dir, "--prefix-cache-resident-memory", "0.25")
+    assert s.engine.cache_resident_blocks(1000, 1 << 20) == 256  # 0.25 GiB of 1 MiB blocks
+    assert s.engine.cache_resident_blocks(100, 1 << 20) == 100  # never more than the pool
 
 
 def test_inline_chat_template_with_escaped_newlines(default_model_dir: Path) -> None:

@@ -51,11 +51,17 @@ def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) 
                         help="token budget of one step (prefill chunks + decodes)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching, help="reuse cached prompt prefixes (on by default)")
+    parser.add_argument("--prefix-cache-resident-memory", type=float, metavar="GIB",
+                        default=d.prefix_cache_resident_memory_gib,
+                        help="freed prefixes stay cached in fresh KV memory until this many GiB of the pool "
+                             "were touched; past it they are evicted before touching more, so resident KV is "
+                             "at most this or the peak in use (default %(default)s)")
     parser.add_argument("--prefix-cache-fills-pool", action=argparse.BooleanOptionalAction,
                         default=d.prefix_cache_fills_pool,
-                        help="keep freed prefixes cached until the whole KV pool is in use (on by default: "
-                             "more prefix hits, the whole --kv-cache-memory resident in the end); --no-... "
-                             "evicts them before touching new memory, so resident KV is the peak in use")
+                        help="overrides --prefix-cache-resident-memory: keep freed prefixes cached until the "
+                             "whole KV pool is in use (more prefix hits, all of --kv-cache-memory resident in "
+                             "the end); --no-... evicts them before touching new memory, so resident KV is "
+                             "the peak in use")
     parser.add_argument("--hybrid-state-checkpoint-interval", type=int, default=None, metavar="TOKENS",
                         help="hybrid models: keep a recurrent-state checkpoint every TOKENS tokens, a multiple "
                              "of --block-size (default: 4 blocks), besides each prompt's end")
@@ -102,7 +108,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
-        prefix_cache_fills_pool=getattr(args, "prefix_cache_fills_pool", True),
+        prefix_cache_resident_memory_gib=getattr(args, "prefix_cache_resident_memory",
+                                                 EngineConfig.prefix_cache_resident_memory_gib),
+        prefix_cache_fills_pool=getattr(args, "prefix_cache_fills_pool", None),
         hybrid_state_checkpoint_interval=getattr(args, "hybrid_state_checkpoint_interval", None),
         hybrid_state_checkpoints=getattr(args, "hybrid_state_checkpoints", None),
         speculative=args.speculative,

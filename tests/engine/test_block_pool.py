@@ -135,7 +135,7 @@ def test_freed_blocks_are_reused_before_never_touched_ones() -> None:
 
 
 def test_cached_blocks_are_evicted_lru_before_touching_fresh_memory() -> None:
-    pool = BlockPool(100, enable_kv_cache_events=True, cache_fills_pool=False)
+    pool = BlockPool(100, enable_kv_cache_events=True, cache_resident_blocks=0)
     old = _cached_blocks(pool, 2, 0)
     new = _cached_blocks(pool, 2, 10)
     spare = pool.allocate(1)
@@ -152,7 +152,7 @@ def test_cached_blocks_are_evicted_lru_before_touching_fresh_memory() -> None:
 
 
 def test_cache_fills_pool_touches_fresh_blocks_before_evicting() -> None:
-    pool = BlockPool(6, cache_fills_pool=True)
+    pool = BlockPool(6)  # cache_resident_blocks None: the whole pool
     cached = _cached_blocks(pool, 3, 0)
     pool.free(reversed(cached))
     assert pool.allocate(3) == [3, 4, 5]  # fresh first: the three prefixes stay findable
@@ -160,6 +160,25 @@ def test_cache_fills_pool_touches_fresh_blocks_before_evicting() -> None:
     assert pool.allocate(1) == [cached[2]]  # the pool is exhausted: now LRU eviction
     assert len(pool.cached_hashes()) == 2
     pool.check_integrity([[3, 4, 5, cached[2]]])
+
+
+def test_the_prefix_cache_grows_into_fresh_memory_up_to_its_resident_bound() -> None:
+    """cache_resident_blocks=5 of 12: freed prefixes keep their blocks while fewer than 5 blocks were
+    ever touched; from there the oldest cached prefix goes before a fresh block is touched, and
+    only a peak in use above the bound touches more."""
+    pool = BlockPool(12, cache_resident_blocks=5)
+    first = _cached_blocks(pool, 3, 0)
+    pool.free(reversed(first))
+    assert pool.allocate(2) == [3, 4]  # fresh: touched 3 -> 5, the three prefixes stay findable
+    assert len(pool.cached_hashes()) == 3 and pool.num_touched_blocks == 5
+    # At the bound: LRU eviction (the tail was freed first), nothing new touched.
+    assert pool.allocate(2) == [first[2], first[1]]
+    assert len(pool.cached_hashes()) == 1 and pool.num_touched_blocks == 5
+    assert pool.allocate(3) == [first[0], 5, 6]  # past every cached block: the peak in use grows
+    assert pool.num_touched_blocks == 7 and not pool.cached_hashes()
+    pool.check_integrity([[3, 4], [first[2], first[1]], [first[0], 5, 6]])
+    with pytest.raises(ValueError):
+        BlockPool(4, cache_resident_blocks=-1)
 
 
 def test_reset_makes_free_cached_blocks_spare() -> None:
@@ -175,7 +194,7 @@ def test_resident_blocks_stay_at_the_peak_in_use_under_unique_traffic() -> None:
     """Many rounds of requests with unique (cached, never reused) prompts: the touched part of the
     pool stops at the most blocks held at once, and the events still replay to the index."""
     rng = random.Random(7)
-    pool = BlockPool(4096, enable_kv_cache_events=True, cache_fills_pool=False)
+    pool = BlockPool(4096, enable_kv_cache_events=True, cache_resident_blocks=0)
     index = CachedBlockIndex()
     held: list[list[int]] = []
     peak = 0

@@ -66,7 +66,7 @@ def use_engine(
     runner.allocate_kv_cache(num_blocks, block_size)
     llm.engine = EngineCore(
         runner,
-        KVCacheManager(num_blocks, block_size, prefix, cache_fills_pool=fills_pool),
+        KVCacheManager(num_blocks, block_size, prefix, cache_resident_blocks=None if fills_pool else 0),
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=runner.max_model_len),
         eos_token_ids=runner.config.eos_token_ids,
         check_integrity_every_step=True,

@@ -14,11 +14,13 @@ touched, so only blocks that were ever written are resident. ``allocate`` takes,
 3. *cached* free blocks, least recently freed first (LRU), each eviction recorded as
    ``BlockRemoved``.
 
-That is ``cache_fills_pool`` (the default, ``--prefix-cache-fills-pool``): cached prefixes stay
-until the whole pool is in use, so traffic with little reuse makes the whole pool resident in the
-end. Without it (``--no-prefix-cache-fills-pool``) 3 comes before 2: resident KV is the peak
-number of blocks in use at once, and the prefix cache keeps only what fits beside it (under steady
-load, the gap between the peak and the current use).
+Steps 2 and 3 trade memory for prefix hits. ``cache_resident_blocks`` says where: while fewer
+blocks than that were ever touched, 2 comes before 3 (the prefix cache grows into fresh memory);
+from there on 3 comes before 2, so the pool becomes resident up to that many blocks or the peak in
+use at once, whichever is larger. None (the pool's default, ``--prefix-cache-fills-pool``): the
+whole pool, so traffic with little reuse makes all of it resident in the end; 0
+(``--no-prefix-cache-fills-pool``): the peak in use alone, the prefix cache keeping only what fits
+beside it. The engine's default bounds it by ``--prefix-cache-resident-memory``.
 
 With ``enable_kv_cache_events`` the pool records, in vLLM's shape, every hash it makes findable
 (``BlockStored``), every hash it forgets on eviction (``BlockRemoved``) and every reset
@@ -49,13 +51,16 @@ class BlockPool:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         enable_kv_cache_events: bool = False,
-        cache_fills_pool: bool = True,
+        cache_resident_blocks: int | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if cache_resident_blocks is not None and cache_resident_blocks < 0:
+            raise ValueError(f"cache_resident_blocks must be >= 0, got {cache_resident_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.cache_fills_pool = cache_fills_pool
+        # Fresh blocks come before evicting cached prefixes while fewer than this many are touched.
+        self.cache_resident_blocks = num_blocks if cache_resident_blocks is None else min(cache_resident_blocks, num_blocks)
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         # The three kinds of free block (see the module docstring). Dicts give O(1) removal of a
@@ -108,8 +113,7 @@ class BlockPool:
     def _next_block(self) -> int:
         if self._spare:
             return self._spare.popitem()[0]
-        fresh_left = self._num_touched < self.num_blocks
-        if self._lru and not (self.cache_fills_pool and fresh_left):
+        if self._lru and self._num_touched >= self.cache_resident_blocks:
             block_id, _ = self._lru.popitem(last=False)
             self._evict(block_id)
             return block_id

@@ -40,9 +40,13 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # Free cached prefixes stay until the whole pool is in use (the prefix cache is worth its
-    # memory); False evicts them before never-touched blocks, so resident KV is the peak in use.
-    prefix_cache_fills_pool: bool = True
+    # Free cached prefixes keep their blocks while less than this much of the KV pool was ever
+    # touched; past it they are evicted before never-touched blocks, so resident KV is at most this
+    # or the peak in use at once (block_pool.py). prefix_cache_fills_pool overrides it: True lets
+    # the prefix cache fill the whole pool (all of kv_cache_memory_gib resident in the end), False
+    # keeps resident KV at the peak in use.
+    prefix_cache_resident_memory_gib: float = 0.5
+    prefix_cache_fills_pool: bool | None = None
     # Hybrid models: prefix caching through recurrent-state checkpoints, one kept every this many
     # tokens (a multiple of block_size; None: 4 blocks) besides each prompt's end and each
     # sequence's deepest block; the pool holds this many (None: 2 x max_num_seqs, at most half of
@@ -86,6 +90,13 @@ class EngineConfig:
     def kv_cache_events(self) -> bool:
         return self.enable_kv_cache_events or self.kv_events_endpoint is not None
 
+    def cache_resident_blocks(self, num_blocks: int, block_bytes: int) -> int | None:
+        """BlockPool's cache_resident_blocks for a pool of ``num_blocks`` of ``block_bytes`` each (None:
+        the whole pool)."""
+        if self.prefix_cache_fills_pool is not None:
+            return None if self.prefix_cache_fills_pool else 0
+        return min(num_blocks, int(self.prefix_cache_resident_memory_gib * GIB) // max(1, block_bytes))
+
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -101,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"hybrid_state_checkpoints must be >= 0, got {self.hybrid_state_checkpoints}")
         if self.num_kv_blocks is None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
+        if self.prefix_cache_resident_memory_gib < 0:
+            raise ValueError("prefix_cache_resident_memory_gib must be >= 0")
         if self.speculative not in (None, "ngram", "suffix", "mtp"):
             raise ValueError(f"speculative must be 'ngram', 'suffix', 'mtp' or unset, got {self.speculative!r}")
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
@@ -231,7 +244,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, config.kv_cache_events,
         num_checkpoints=num_checkpoints,
         checkpoint_interval=config.hybrid_state_checkpoint_interval or 4 * config.block_size,
-        cache_fills_pool=config.prefix_cache_fills_pool,
+        cache_resident_blocks=config.cache_resident_blocks(num_blocks, runner.kv_bytes_per_block(config.block_size)),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

@@ -41,7 +41,7 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         num_checkpoints: int = 0,
         checkpoint_interval: int = 0,
-        cache_fills_pool: bool = True,
+        cache_resident_blocks: int | None = None,
     ) -> None:
         # A cached KV prefix alone is useless to a hybrid model (its linear layers' state never saw
         # those tokens): prefix caching there needs state checkpoints.
@@ -54,7 +54,7 @@ class KVCacheManager:
             self.checkpoints = StateCheckpointPool(num_checkpoints, interval)
         self._restores: dict[str, int] = {}  # request id -> checkpoint slot to restore this step
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_cache_events, cache_fills_pool)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, enable_kv_cache_events, cache_resident_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.num_state_slots = num_state_slots
         self._free_slots = list(range(num_state_slots - 1, -1, -1))

@@ -6,9 +6,10 @@ it also sets the norm class and the rotary width. Every layer is called the same
 ``layer(x, positions, cos_sin, cache, meta) -> x``, whatever mixes its tokens (attention over the
 paged KV cache, a recurrent layer over its state slot).
 
-A float32 step of a few dozen tokens skips that: when every layer offers ``decode_weights()``
-(plain Llama layers), each runs as one C call (cpu_kernels.decode_layer_), since at batch 1
-dispatching ~25 torch operators a layer costs as much as reading its weights. Every token is a
+A step of a few dozen tokens skips that: when every layer offers ``decode_weights()`` (plain
+Llama layers: float32, quantized, or bfloat16 packed for oneDNN), each runs as one C call
+(cpu_kernels.decode_layer_), since at batch 1 dispatching ~25 torch operators a layer costs as much
+as reading its weights. Every token is a
 decode query there (the runner's per-token tables, AttentionMetadata.token_block_tables): a decode
 row, or a token of a prefill chunk or of a draft run, attending up to its own position; the layer
 writes all the step's K/V before any row attends.

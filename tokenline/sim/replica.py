@@ -128,9 +128,10 @@ class SimulatedReplica:
         avoid = placeholder_avoid_ids(Path(config.tokenizer or model_dir), vocab_size) | eos
         clock = WallClock(self.speed)
         runner = ReplicaRunner(clock, self.profile, vocab_size, avoid)
-        kv_cache = KVCacheManager(num_kv_blocks(self.profile, config), config.block_size,
-                                  config.enable_prefix_caching, 0, config.kv_cache_events,
-                                  cache_fills_pool=config.prefix_cache_fills_pool)
+        num_blocks = num_kv_blocks(self.profile, config)
+        block_bytes = self.profile.kv_bytes_per_token * config.block_size
+        kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, 0, config.kv_cache_events,
+                                  cache_resident_blocks=config.cache_resident_blocks(num_blocks, block_bytes))
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
