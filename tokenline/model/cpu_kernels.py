@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tokenline.model.model_store import tokenline_home
+from tokenline.model.packed_weight import BlockedLayout
 from tokenline.model.panel_weight import PANEL
 from tokenline.model.quantization import BLOCK, CODE_BLOCK_BYTES
 
@@ -38,7 +39,14 @@ _P = ctypes.c_void_p
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX). Elsewhere (an AVX2-only
     EPYC, say) oneDNN refuses to pack bf16 weights and every bf16 op is emulated."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_avx512_bf16_supported() or cpu_has_amx()
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether oneDNN multiplies bfloat16 on AMX tiles here (then it beats our streaming kernel from
+    a few rows up; see layers.small_batch_rows)."""
+    return torch.cpu._is_amx_tile_supported()
 _I = ctypes.c_int64
 
 
@@ -130,8 +138,8 @@ class CpuKernels:
         if x.dtype != torch.bfloat16 or tiles.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
             raise ValueError("linear_bf16_blocked takes contiguous 2-D bfloat16 activations and bfloat16 tiles")
         m, k = x.shape
-        padded = -(-n // block_n) * block_n * -(-k // (2 * pairs)) * 2 * pairs
-        if tiles.numel() != padded:
+        n_pad, k_pad = BlockedLayout(block_n, pairs).padded_shape(n, k)
+        if tiles.numel() != n_pad * k_pad:
             raise ValueError(f"linear_bf16_blocked: {tiles.numel()} packed values do not hold a [{n}, {k}] weight")
         y = torch.empty((m, n), dtype=torch.bfloat16)
         self._lib.tl_linear_bf16_blocked(x.data_ptr(), tiles.data_ptr(), y.data_ptr(), m, n, k, block_n, pairs)
@@ -336,7 +344,9 @@ def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
     return rows * (hidden + qkv_width + q_width + 2 * w.intermediate + widest // BLOCK)
 
 
-BF16_PACKED = 3  # DecodeLayerWeights.fmt of oneDNN's packed bfloat16 tiles (TL_W_BF16_PACKED)
+# DecodeLayerWeights.fmt of oneDNN's packed bfloat16 tiles: not one of the C TL_W_* codes (those are
+# tl_decode_layer_f32's), since a bfloat16 layer has its own entry point, tl_decode_layer_bf16.
+BF16_PACKED = 3
 
 
 @dataclass(frozen=True)
@@ -379,8 +389,8 @@ class DecodeLayerWeights:
 
         def shape(n: int, k: int, i: int) -> tuple[int, ...]:  # matrix i, [n, k], as this format holds it
             if bf16:
-                block_n, pairs = blocking[2 * i], blocking[2 * i + 1]
-                return (-(-n // block_n) * block_n * -(-k // (2 * pairs)) * 2 * pairs,)
+                n_pad, k_pad = BlockedLayout(blocking[2 * i], blocking[2 * i + 1]).padded_shape(n, k)
+                return (n_pad * k_pad,)
             return (-(-n // PANEL), k, PANEL) if self.fmt == 0 else (n, k // BLOCK * CODE_BLOCK_BYTES[self.fmt])
 
         if (self.qkv.shape != shape(q_width + 2 * self.kv_heads * self.head_dim, hidden, 0)

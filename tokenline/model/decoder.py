@@ -44,7 +44,7 @@ def bf16_fused_rows() -> int:
     at every step size up to FUSED_DECODE_ROWS (the default model, 2 threads: 0.72x its time at 1
     row, 0.57x at 8, 0.84x at 32; README); with AMX, where oneDNN multiplies on tiles, only up to the
     rows its own Linear streams (layers.small_batch_rows), which then gives the same bits either way."""
-    return FUSED_DECODE_ROWS if not torch.cpu._is_amx_tile_supported() else small_batch_rows()
+    return small_batch_rows() if cpu_kernels.cpu_has_amx() else FUSED_DECODE_ROWS
 
 # The kernels, every layer's weights as the fused kernel reads them, and one scratch buffer.
 FusedLayers = tuple[cpu_kernels.CpuKernels, list[cpu_kernels.DecodeLayerWeights], torch.Tensor]
@@ -100,16 +100,15 @@ class DecoderLM(CausalLM):
         in float32 (a bfloat16 model's rows widened for them); oneDNN's packed bfloat16 tiles in
         bfloat16, rounding as the per-operator path does."""
         rows = x.shape[0]
-        if (not 1 <= rows <= self.fused_decode_rows or meta.token_context_lens is None
+        if (not 1 <= rows <= self.fused_step_tokens() or meta.token_context_lens is None
                 or meta.token_block_tables is None or meta.token_context_lens.shape[0] != rows
                 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"):
             return None
         fused = self._fused_layers_or_none()
-        if fused is None:
-            return None
+        assert fused is not None  # fused_step_tokens() > 0 says the layers are there
         kernels, weights, scratch = fused
         bf16 = weights[0].fmt == cpu_kernels.BF16_PACKED
-        if bf16 and (x.dtype != torch.bfloat16 or rows > bf16_fused_rows()):
+        if bf16 and x.dtype != torch.bfloat16:
             return None
         cos, sin = (t.reshape(rows, -1) for t in self.rotary.lookup(positions, x.dtype if bf16 else torch.float32))
         if cos.shape[-1] != weights[0].head_dim:  # partial rotary

@@ -24,14 +24,13 @@ from tokenline.model.packed_weight import PackedWeight, pack
 from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
 
 
-
 @functools.cache
 def small_batch_rows() -> int:
     """Up to this many rows (decode batches) our streaming kernel beats oneDNN on CPU bfloat16: 2
     where oneDNN multiplies on AMX tiles (the developers' machine), 8 on AVX512-BF16 without AMX
     (2 threads, the default model's shapes: 0.4-0.9x oneDNN's time up to 8 rows, 0.9-1.1x from 16;
     README, "Dispatch at small batches")."""
-    return 2 if torch.cpu._is_amx_tile_supported() else 8
+    return 2 if cpu_kernels.cpu_has_amx() else 8
 
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32
