@@ -14,7 +14,7 @@ from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason
 from tokenline.engine.ngram_proposer import NgramProposer
-from tokenline.engine.scheduler import SchedulerConfig
+from tokenline.engine.scheduler import DRAFTS_WITHIN_FUSED_MIN_DECODES, SchedulerConfig
 from tokenline.sampling_params import SamplingParams
 
 EOS = 0
@@ -32,11 +32,13 @@ def make_engine(
     script: dict[str, list[int]] | None = None,
     k: int = 4,
     num_state_slots: int = 0,
+    fused_step_tokens: int = 0,
 ) -> EngineCore:
     return EngineCore(
         FakeRunner(script=script),
         KVCacheManager(num_blocks, block_size, prefix_caching, num_state_slots),
-        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                        fused_step_tokens=fused_step_tokens),
         eos_token_ids=[EOS],
         check_integrity_every_step=True,
         proposer=NgramProposer(k, 2, 4) if speculative else None,
@@ -167,6 +169,29 @@ def test_drafts_count_in_the_token_budget() -> None:
     run(engine)
     assert all(b.num_tokens <= 12 for b in engine.runner.batches)
     assert_all_blocks_free(engine)
+
+
+def decode_steps(num_seqs: int, fused_step_tokens: int) -> list[int]:
+    """Tokens of each step in which every sequence decodes, for ``num_seqs`` drafting requests."""
+    engine = make_engine(budget=256, num_blocks=256, fused_step_tokens=fused_step_tokens)
+    for i in range(num_seqs):
+        add(engine, f"r{i}", PROMPT, max_tokens=20)
+    run(engine)
+    assert_all_blocks_free(engine)
+    return [b.num_tokens for b in engine.runner.batches
+            if len(b.seqs) == num_seqs and all(s.num_tokens == 1 + len(s.draft_token_ids) for s in b.seqs)]
+
+
+def test_drafts_keep_a_large_batch_on_the_one_call_layers() -> None:
+    # From DRAFTS_WITHIN_FUSED_MIN_DECODES decoding sequences, drafts fill only the rows left below
+    # the model's one-call decode layer cap; they still draft up to it.
+    many = DRAFTS_WITHIN_FUSED_MIN_DECODES + 2
+    capped = decode_steps(many, fused_step_tokens=many + 3)
+    assert capped and max(capped) == many + 3
+    assert max(decode_steps(many, fused_step_tokens=0)) > many + 3  # no such layers: the budget's
+    # A small batch drafts past the cap (its steps read more than they compute: drafts pay there).
+    few = DRAFTS_WITHIN_FUSED_MIN_DECODES - 1
+    assert max(decode_steps(few, fused_step_tokens=few + 1)) > few + 1
 
 
 def test_only_plain_greedy_requests_draft() -> None:

@@ -250,6 +250,7 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
+        fused_step_tokens=runner.model.fused_step_tokens(),
     )
     proposer: NgramProposer | SuffixProposer | MtpProposer | None = None
     if config.speculative == "ngram":

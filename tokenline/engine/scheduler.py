@@ -39,6 +39,17 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # The most tokens a step may have for the model's one-call decode layers to take it (the
+    # model's fused_step_tokens(); 0: it has none). Drafts stay below it at a large batch.
+    fused_step_tokens: int = 0
+
+
+# From this many decoding sequences, drafts only take the rows a step that fits the one-call
+# decode layers has left below their cap. Such a step computes more than it reads, so a row costs
+# its share of the step, and past the cap every row pays the per-operator path (1.3x a step of 32
+# here): a c=32 step with ~40 drafts cost more than its accepted drafts won (suffix 0.83x plain).
+# Below this, a step is memory-bound and drafts pay even off the fused path (c=1: 2x).
+DRAFTS_WITHIN_FUSED_MIN_DECODES = 8
 
 
 @dataclass
@@ -114,9 +125,14 @@ class Scheduler:
         scheduled: dict[str, int] = {}  # request id -> tokens computed this step
         drafts: dict[str, list[int]] = {}  # request id -> draft tokens among those
         preempted = False
-        if isinstance(self.proposer, SuffixProposer):
-            # Its drafts get more cautious as the batch grows (a rejected row costs more there).
-            self.proposer.begin_step(sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
+        draft_rows: int | None = None  # drafts this step may still add (None: the budget's)
+        if self.proposer is not None:
+            num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+            if isinstance(self.proposer, SuffixProposer):
+                # Its drafts get more cautious as the batch grows (a rejected row costs more there).
+                self.proposer.begin_step(num_decoding)
+            if DRAFTS_WITHIN_FUSED_MIN_DECODES <= num_decoding <= self.config.fused_step_tokens:
+                draft_rows = self.config.fused_step_tokens - num_decoding
 
         for request in list(self.running):
             if budget <= 0:
@@ -125,11 +141,13 @@ class Scheduler:
                 continue  # preempted earlier in this loop to make room
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             decoding = request.num_tokens - request.num_computed_tokens == 1  # only the last token is new
-            guess = self._propose(request, budget) if decoding else []
+            guess = self._propose(request, budget, draft_rows) if decoding else []
             # Drafts only take free blocks: speculation never preempts anyone.
             if guess and self.kv_cache.allocate_slots(request, 1 + len(guess)):
                 drafts[request.request_id] = guess
                 num_new += len(guess)
+                if draft_rows is not None:
+                    draft_rows -= len(guess)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = max(self.running, key=Request.sort_key)
                 budget += scheduled.pop(victim.request_id, 0)
@@ -233,9 +251,10 @@ class Scheduler:
 
     # --- speculative decoding ------------------------------------------------------------------
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request, or none when it must not speculate."""
-        if self.proposer is None:
+    def _propose(self, request: Request, budget: int, draft_rows: int | None = None) -> list[int]:
+        """Draft tokens for a decoding request, or none when it must not speculate; at most
+        ``draft_rows`` of them when that is given."""
+        if self.proposer is None or draft_rows == 0:
             return []
         params = request.sampling
         # Only plain greedy requests: their verification is an exact comparison with the argmax,
@@ -256,6 +275,7 @@ class Scheduler:
             budget - 1,
             request.max_tokens - request.num_output_tokens - 1,
             self.config.max_model_len - request.num_tokens - 1,
+            budget if draft_rows is None else draft_rows,
         )
         drafts = self.proposer.propose(request.request_id, request.token_ids, room)
         if request.grammar is not None and drafts:
