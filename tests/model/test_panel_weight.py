@@ -33,7 +33,7 @@ def test_pack_unpack_and_rows_give_back_the_weight(n: int, k: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 64, 300])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_kernel_matches_float64_and_a_row_is_the_same_bits_in_any_batch(rows: int, n: int, k: int) -> None:
     assert kernels is not None

@@ -1301,11 +1301,20 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * A float32 weight [N, K] is held as panels of TL_PANEL output columns, input-major inside a panel:
  * panel t is K x TL_PANEL floats, element [k][j] = w[t * TL_PANEL + j, k], zero past N (see
  * model/panel_weight.py). A register tile is then an outer product: per input k, one panel row (two
- * vectors) times each of up to TL_MR rows of x broadcast, 2 x TL_MR accumulators (12 of AVX2's 16
- * registers), two loads a broadcast instead of a row-major dot product's load per FMA. Each output
- * is one FMA chain over k in order, so a row's outputs are the same bits whatever M. */
+ * vectors) times each of up to TL_MR_MAX rows of x broadcast, two accumulators a row (at most 12 of
+ * AVX2's 16 registers, 24 of AVX-512's 32), two loads a broadcast instead of a row-major dot product's load per
+ * FMA. Each output is one FMA chain over k in order, so a row's outputs are the same bits whatever M
+ * and whatever the tile. Rows go in tiles of TL_MR, the last up to TL_MR_MAX rows in one tile: with
+ * AVX-512's registers that is 12, so 7-12 rows are one tile instead of a full one and a tile of 1-6
+ * rows whose few FMA chains wait on each other's latency (a step's linears at 7 rows 0.73x the
+ * time, single thread, README). */
 #define TL_PANEL 16
 #define TL_MR 6
+#if defined(__AVX512F__)
+#define TL_MR_MAX 12
+#else
+#define TL_MR_MAX 6
+#endif
 #define TL_PANEL_PREFETCH 32 /* panel rows ahead */
 #define TL_KC 256 /* at most this many inputs per pass: a panel's slice (16 KB) stays in L1 while every row
                      group of x passes over it */
@@ -1315,7 +1324,7 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K, const float *p, float *y,
                                                              int64_t N, const int MR, int64_t kc, int from_y,
                                                              int cols, int prefetch) {
-    tl_v8 acc[TL_MR][2];
+    tl_v8 acc[TL_MR_MAX][2];
     for (int m = 0; m < MR; m++) {
         float row[TL_PANEL] = {0};
         if (from_y) memcpy(row, y + m * N, (size_t)cols * sizeof(float));
@@ -1348,7 +1357,15 @@ static void panel_tile_dispatch(const float *x, int64_t K, const float *p, float
     case 3: panel_tile(x, K, p, y, N, 3, kc, from_y, cols, prefetch); break;
     case 4: panel_tile(x, K, p, y, N, 4, kc, from_y, cols, prefetch); break;
     case 5: panel_tile(x, K, p, y, N, 5, kc, from_y, cols, prefetch); break;
-    default: panel_tile(x, K, p, y, N, TL_MR, kc, from_y, cols, prefetch); break;
+#if TL_MR_MAX > 6
+    case 6: panel_tile(x, K, p, y, N, 6, kc, from_y, cols, prefetch); break;
+    case 7: panel_tile(x, K, p, y, N, 7, kc, from_y, cols, prefetch); break;
+    case 8: panel_tile(x, K, p, y, N, 8, kc, from_y, cols, prefetch); break;
+    case 9: panel_tile(x, K, p, y, N, 9, kc, from_y, cols, prefetch); break;
+    case 10: panel_tile(x, K, p, y, N, 10, kc, from_y, cols, prefetch); break;
+    case 11: panel_tile(x, K, p, y, N, 11, kc, from_y, cols, prefetch); break;
+#endif
+    default: panel_tile(x, K, p, y, N, TL_MR_MAX, kc, from_y, cols, prefetch); break;
     }
 }
 
@@ -1359,8 +1376,8 @@ static void panel_rows(const float *x, const float *panel, float *y, int64_t M, 
     const int64_t slices = (K + TL_KC - 1) / TL_KC, kc = (K + slices - 1) / slices;
     for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t width = K - k0 < kc ? K - k0 : kc;
-        for (int64_t m0 = 0; m0 < M; m0 += TL_MR) {
-            const int rows = (int)(M - m0 < TL_MR ? M - m0 : TL_MR);
+        for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
+            rows = M - m0 <= TL_MR_MAX ? M - m0 : TL_MR; /* the rest in one tile once it fits */
             /* The slice's first row group reads it from memory. With 2-16 rows, too little arithmetic
              * a slice to hide that, prefetch it 32 panel rows (2 KB) ahead, on into the next slice or
              * panel: a step's linears at 8 rows 0.82-0.97x the time (A/B, four runs). One row keeps
