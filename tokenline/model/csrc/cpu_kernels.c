@@ -1302,12 +1302,12 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * panel t is K x TL_PANEL floats, element [k][j] = w[t * TL_PANEL + j, k], zero past N (see
  * model/panel_weight.py). A register tile is then an outer product: per input k, one panel row (two
  * vectors) times each of up to TL_MR_MAX rows of x broadcast, two accumulators a row (at most 12 of
- * AVX2's 16 registers, 24 of AVX-512's 32), two loads a broadcast instead of a row-major dot product's load per
- * FMA. Each output is one FMA chain over k in order, so a row's outputs are the same bits whatever M
- * and whatever the tile. Rows go in tiles of TL_MR, the last up to TL_MR_MAX rows in one tile: with
- * AVX-512's registers that is 12, so 7-12 rows are one tile instead of a full one and a tile of 1-6
- * rows whose few FMA chains wait on each other's latency (a step's linears at 7 rows 0.73x the
- * time, single thread, README). */
+ * AVX2's 16 registers, 24 of AVX-512's 32), two loads a broadcast instead of a row-major dot
+ * product's load per FMA. Each output is one FMA chain over k in order, so a row's outputs are the
+ * same bits whatever M and whatever the tile. Rows go in tiles of TL_MR, the last up to TL_MR_MAX
+ * rows in one tile: with AVX-512's registers that is 12, so 7-12 rows are one tile instead of a full
+ * one and a tile of 1-6 rows whose few FMA chains wait on each other's latency (a step's linears at
+ * 7 rows 0.73x the time, single thread, README). */
 #define TL_PANEL 16
 #define TL_MR 6
 #if defined(__AVX512F__)
