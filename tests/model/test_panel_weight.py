@@ -17,8 +17,10 @@ from tests.model.test_packed_weight import TinyTied
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
 
-# The default model's projections, a partial last panel, and odd widths (no whole vector of inputs).
-SHAPES = [(960, 576), (576, 1536), (50, 100), (7, 33)]
+# The default model's projections, a partial last panel, and odd widths (no whole vector of inputs);
+# 50 and 40 columns: a last pair of panels with a narrow second one, and an odd count of panels (the
+# AVX-512 build takes panels in pairs).
+SHAPES = [(960, 576), (576, 1536), (50, 100), (7, 33), (40, 300)]
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
