@@ -138,8 +138,8 @@ def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[di
     decode = statistics.median(w / (m.predict(f) + g) for f, w in busy if f.prefill_tokens == 0)
     # What is not the prefill tokens' own b·P in a mixed step (its decode rows, context, the unfused
     # step's price) runs at the decode factor.
-    prefill_rows = [(w - decode * (m.predict(f) - m.prefill_s(f.prefill_tokens) + g))
-                    / m.prefill_s(f.prefill_tokens) for f, w in busy if f.prefill_tokens > 0] if m.b > 0 else []
+    prefill_rows = [(w - decode * (m.predict(f) - m.prefill_s(f) + g)) / m.prefill_s(f)
+                    for f, w in busy if f.prefill_tokens > 0] if m.b > 0 else []
     prefill = statistics.median(prefill_rows) if prefill_rows else decode
     model = m.scaled(decode, prefill)
     at_speed = Profile(**{**profile.__dict__, "step_model": model, "step_scale": 1.0, "step_overhead_s": g * decode})

@@ -154,3 +154,6 @@ def test_records_count_the_context_each_step_attends_to() -> None:
     records = engine.take_step_records()
     assert [(r.num_prefill_tokens, r.num_decode_tokens, r.num_context_tokens) for r in records] == [
         (8, 0, 8), (2, 0, 10), (0, 1, 11), (0, 1, 12)]
+    # query-key pairs of the prefill chunks: 1 + ... + 8, then 9 + 10 (the chunk over the first 8);
+    # decode steps' attention is their context, counted above
+    assert [r.num_prefill_attention_pairs for r in records] == [36, 19, 0, 0]

@@ -18,7 +18,7 @@ from tokenline.sim.simulate import SimConfig, report, run_closed_loop, simulate,
 from tokenline.sim.step_model import StepFeatures
 
 TINY = CalibrationDesign(prefill_lens=(16, 64, 160), context_lens=(16, 96), decode_batches=(1, 4),
-                         decode_steps=4, repeats=1, max_seconds=20.0)
+                         decode_steps=4, repeats=1, max_seconds=20.0, followups=((64, 16),))
 
 
 @pytest.fixture
@@ -29,10 +29,24 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_a_calibrated_simulation_tracks_a_real_run(tmp_path: Path, one_thread: None) -> None:
+def test_a_calibrated_simulation_tracks_a_real_run(tmp_path: Path, one_thread: None, monkeypatch) -> None:
+    import tokenline.sim.calibrate as calibrate_module
+
+    fitted: list[StepFeatures] = []
+    real_fit = calibrate_module.fit_step_model
+
+    def spy(features, *args, **kwargs):
+        fitted.extend(features)
+        return real_fit(features, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "fit_step_model", spy)
     model_dir = resolve_model(None)
     profile = calibrate(model_dir, "float32", design=TINY, threads=1)
     m = profile.step_model
+    # The follow-up prefilled its 16 new tokens over its 64-token prefix from the prefix cache; no
+    # other prompt found anything cached (they are random).
+    assert StepFeatures(16, 0, 80, 16 * 64 + 136) in fitted
+    assert sum(f.decode_seqs == 0 and f.attended_context_tokens > f.prefill_tokens for f in fitted) == 1
     assert profile.num_steps >= 10 and profile.dtype == "float32" and profile.kv_bytes_per_token > 0
     # Prefill tokens cost time on any machine. A fresh prompt's tokens and the context they attend
     # to grow together (a step of n fresh tokens reads n), so the fit may price them through b or d:

@@ -16,9 +16,10 @@ MODEL = StepModel(a=0.040, b=0.003, c=0.012, d=7e-6)
 
 
 def record(step: int, start: float, duration: float, prefill: int = 0, decode: int = 1, context: int = 100,
-           drafts: int = 0) -> dict:
+           drafts: int = 0, pairs: int = 0) -> dict:
     return {"step": step, "start": start, "duration": duration, "num_prefill_tokens": prefill,
-            "num_decode_tokens": decode, "num_draft_tokens": drafts, "num_context_tokens": context}
+            "num_decode_tokens": decode, "num_draft_tokens": drafts, "num_context_tokens": context,
+            "num_prefill_attention_pairs": pairs}
 
 
 def test_busy_steps_keep_back_to_back_steps_only() -> None:
@@ -29,6 +30,11 @@ def test_busy_steps_keep_back_to_back_steps_only() -> None:
     assert [round(w, 3) for _, w in steps] == [0.102, 0.053]
     assert steps[0][0] == StepFeatures(64, 0, 100)
     assert record_features(record(0, 0, 0, prefill=3, decode=5, drafts=2)) == StepFeatures(5, 3, 100)
+    assert record_features(record(0, 0, 0, prefill=64, decode=0, pairs=8256)) == StepFeatures(64, 0, 100, 8256)
+    # a record from a server before the pairs were recorded
+    old = record(0, 0, 0, prefill=64, decode=0)
+    del old["num_prefill_attention_pairs"]
+    assert record_features(old) == StepFeatures(64, 0, 100, 0)
 
 
 def test_fit_recovers_a_scale_and_an_overhead() -> None:

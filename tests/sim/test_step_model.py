@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -37,7 +38,8 @@ def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_ne
     assert fit.a == pytest.approx(0.04, rel=0.1) and fit.b == pytest.approx(0.003, rel=0.05)
     assert fit.c == pytest.approx(0.012, rel=0.1) and fit.residual_rms_s < 0.004
     # decode sequences that cost nothing measurable: c is 0, not a negative speed-up
-    flat = [StepFeatures(p, s, 0) for p, s in [(0, 1), (64, 0), (0, 8), (128, 4), (16, 2), (0, 3)]]
+    flat = [StepFeatures(p, s, 0) for p, s in [(0, 1), (64, 0), (0, 8), (128, 4), (16, 2), (0, 3), (32, 5), (96, 0),
+                                              (0, 12)]]
     fit = fit_step_model(flat, [0.01 + 0.002 * f.prefill_tokens - 1e-4 * f.decode_seqs for f in flat])
     assert fit.c == 0.0 and min(fit.a, fit.b, fit.d) >= 0.0
 
@@ -45,7 +47,8 @@ def test_steps_slowed_by_another_process_are_left_out_and_no_coefficient_goes_ne
 def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
     truth = StepModel(a=0.01, b=0.002, c=0.003, d=1e-5)
     features = [StepFeatures(p, s, c) for p, s, c in
-                [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50), (0, 3, 40)]]
+                [(0, 1, 10), (64, 0, 64), (0, 8, 800), (128, 4, 900), (16, 2, 50), (0, 3, 40), (32, 1, 70),
+                 (96, 0, 96), (0, 16, 1600), (256, 2, 600)]]
     fit = fit_step_model(features, [truth.predict(f) for f in features])
     assert fit.residual_rms_s == pytest.approx(0.0, abs=1e-12)
     assert fit.c == pytest.approx(0.003, rel=1e-6)
@@ -53,10 +56,10 @@ def test_exact_data_fits_exactly_and_prediction_never_goes_negative() -> None:
 
 
 def test_fit_needs_as_many_steps_as_coefficients() -> None:
-    with pytest.raises(ValueError, match="at least 6"):
-        fit_step_model([StepFeatures(1, 0, 1)] * 5, [0.1] * 5)
+    with pytest.raises(ValueError, match="at least 9"):
+        fit_step_model([StepFeatures(1, 0, 1)] * 8, [0.1] * 8)
     with pytest.raises(ValueError, match="durations"):
-        fit_step_model([StepFeatures(1, 0, 1)] * 6, [0.1] * 5)
+        fit_step_model([StepFeatures(1, 0, 1)] * 9, [0.1] * 8)
 
 
 def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() -> None:
@@ -70,7 +73,10 @@ def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() 
         # decoding: one token past a 100-token prompt with 5 outputs
         ScheduledSeq("d", [7], 104, [], True, params, prompt_token_ids=prompt, output_token_ids=[1, 2, 3, 4, 5]),
     ])
-    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105)
+    # query-key pairs of the prefill chunks: 64 tokens over 32 cached attend to 33..96 positions, the
+    # last prompt token to 100; the decode row's attention is its context
+    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105,
+                                                 prefill_attention_pairs=sum(range(33, 97)) + 100)
 
 
 def test_the_fused_decode_regime_has_its_own_step_price() -> None:
@@ -134,14 +140,70 @@ def test_a_prefill_hinge_at_the_best_of_its_candidate_knots(tmp_path) -> None:
     for p in (128, 2048):
         f = StepFeatures(p, 0, p)
         assert hinged.predict(f) == pytest.approx(truth.predict(f), rel=0.03)
-        assert abs(line.predict(f) / truth.predict(f) - 1) > 0.05
-    assert hinged.residual_rms_s < line.residual_rms_s / 2
+    # one slope, fitted by relative error, keeps the many short steps and misprices the long ones
+    assert max(abs(line.predict(StepFeatures(p, 0, p)) / truth.predict(StepFeatures(p, 0, p)) - 1)
+               for p in (1536, 2048)) > 0.05
+
+    def relative_rms(m: StepModel) -> float:
+        return math.sqrt(sum((m.predict(f) / w - 1) ** 2 for f, w in zip(features, durations)) / len(features))
+
+    assert relative_rms(hinged) < relative_rms(line) / 2
     # Scaled apart: decode terms by one factor, the prefill slope and hinge by another.
     f = StepFeatures(2048, 4, 3000)
     both = hinged.scaled(1.5, 0.5)
-    decode_part = hinged.predict(f) - hinged.prefill_s(2048)
-    assert both.predict(f) == pytest.approx(1.5 * decode_part + 0.5 * hinged.prefill_s(2048), rel=1e-9)
+    decode_part = hinged.predict(f) - hinged.prefill_s(f)
+    assert both.predict(f) == pytest.approx(1.5 * decode_part + 0.5 * hinged.prefill_s(f), rel=1e-9)
     profile = Profile(step_model=hinged, model="m", dtype="float32", machine={}, vocab_size=10, max_model_len=64,
                       kv_bytes_per_token=4)
     profile.write(tmp_path / "p.json")
     assert Profile.read(tmp_path / "p.json").step_model == hinged
+
+
+def fresh(p: int, decode: int = 0, context: int = 0) -> StepFeatures:
+    return StepFeatures(p, decode, p + context, p * (p + 1) // 2)
+
+
+def followup(new: int, cached: int) -> StepFeatures:
+    return StepFeatures(new, 0, cached + new, new * cached + new * (new + 1) // 2)
+
+
+def test_prefill_attention_pairs_price_a_chunk_over_a_cached_prefix() -> None:
+    """A chat's next turn prefills a few dozen tokens over hundreds cached: its attention grows with
+    its tokens times that context, which the context term counts once. On the calibration's shapes
+    the fit finds q and prices such turns; a fit whose features lack the pairs spreads their cost
+    over the per-token slope and the fixed cost, and prices a short turn over a long prefix low and
+    a fresh short prompt high (as the simulator did: multi-turn TTFT -10 %)."""
+    truth = StepModel(a=0.02, b=0.0028, c=0.003, d=4e-6, e=0.004, q=1.2e-6, knots=(4, 8, 16), hinges=(0.0, 0.0, 0.0),
+                      q_fused=2.4e-6, b_fused=0.0014)
+    rng = random.Random(5)
+    # lone prompts, decode batches' prompts prefilled 2048 tokens a step (8 x 256, 2 x 1024, ...),
+    # follow-ups over cached prefixes, decode steps
+    features = [fresh(p) for p in (32, 64, 96, 128, 384)]
+    features += [StepFeatures(n * p, 0, n * p, n * p * (p + 1) // 2) for n, p in ((8, 256), (2, 1024), (4, 256), (1, 1024))]
+    features += [followup(n, s) for s in (256, 512, 1024) for n in (32, 64, 128)]
+    features += [StepFeatures(0, b, b * ctx) for b in (1, 4, 8, 16, 32) for ctx in (32, 256, 1024)]
+    features *= 2
+    durations = [truth.predict(f) * (1 + rng.gauss(0, 0.005)) for f in features]
+    knots, prefill_knots = (4, 8, 16), (512, 1024, 1536)
+    fit = fit_step_model(features, durations, knots, prefill_knots)
+    blind = fit_step_model([StepFeatures(f.prefill_tokens, f.decode_seqs, f.attended_context_tokens) for f in features],
+                           durations, knots, prefill_knots)
+    assert fit.q == pytest.approx(1.2e-6, rel=0.15) and fit.q_fused == pytest.approx(2.4e-6, rel=0.15)
+    assert blind.q == pytest.approx(0.0, abs=1e-12) and blind.q_fused == pytest.approx(0.0, abs=1e-12)
+    # the one-call layer's prefill tokens have their own price too; a profile from before it has none
+    assert fit.b_fused == pytest.approx(0.0014, rel=0.15)
+    old = StepModel(a=0.02, b=0.0028, c=0.003, d=4e-6)
+    assert old.predict(fresh(32)) == pytest.approx(0.02 + 32 * 0.0028 + 32 * 4e-6)
+    turn, short_over_long = followup(70, 450), followup(32, 1024)  # the README's multi-turn workload's turns
+    for f in (turn, short_over_long, fresh(128)):
+        assert fit.predict(f) == pytest.approx(truth.predict(f), rel=0.03)
+    assert blind.predict(turn) < 0.95 * truth.predict(turn)
+    assert blind.predict(short_over_long) < 0.9 * truth.predict(short_over_long)
+    assert blind.predict(fresh(128)) > 1.05 * truth.predict(fresh(128))
+    # q is a prefill coefficient: part of prefill_s, and scaled with the prefill factor
+    assert fit.prefill_s(turn) == pytest.approx(
+        fit.prefill_s(StepFeatures(70, 0, 520)) + fit.q * turn.prefill_attention_pairs)
+    both = fit.scaled(1.0, 2.0)
+    assert both.q == pytest.approx(2 * fit.q) and both.q_fused == pytest.approx(2 * fit.q_fused)
+    for f in (turn, short_over_long):
+        assert both.predict(f) == pytest.approx(fit.predict(f) + fit.prefill_s(f), rel=1e-9)

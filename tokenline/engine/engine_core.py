@@ -234,7 +234,7 @@ class EngineCore:
         return stats
 
     def _start_record(self, batch: ScheduledBatch, start: float) -> StepRecord:
-        prefill = decode = drafts = context = 0
+        prefill = decode = drafts = context = pairs = 0
         for seq in batch.seqs:
             request = self.scheduler.requests[seq.request_id]
             context += seq.start_pos + len(seq.token_ids)
@@ -244,11 +244,12 @@ class EngineCore:
                 drafts += len(seq.draft_token_ids)
             else:
                 prefill += len(seq.token_ids)
+                pairs += seq.attention_pairs
         return StepRecord(
             step=self.num_steps, start=start, duration=0.0, num_prefill_tokens=prefill, num_decode_tokens=decode,
             num_seqs=len(batch.seqs), num_running=0, num_waiting=0, num_kv_blocks_used=0,
             num_kv_blocks=self.kv_cache.pool.num_blocks, num_state_slots=self.kv_cache.num_state_slots,
-            num_draft_tokens=drafts, num_context_tokens=context,
+            num_draft_tokens=drafts, num_context_tokens=context, num_prefill_attention_pairs=pairs,
         )
 
     def _finish_record(self, record: StepRecord, num_preemptions: int) -> None:

@@ -126,6 +126,9 @@ class StepRecord:
     num_preemptions: int = 0  # requests preempted while forming this step's batch
     num_draft_tokens: int = 0  # of the decode tokens, speculative drafts being verified
     num_context_tokens: int = 0  # per sequence, every position its new tokens attend to (the KV read)
+    # Prefill chunks' query-key pairs: each new token times the positions it attends to. A chunk's
+    # attention grows with its tokens times its context, which the KV read above counts once.
+    num_prefill_attention_pairs: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -63,6 +63,13 @@ class ScheduledSeq:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def attention_pairs(self) -> int:
+        """Query-key pairs this chunk's attention computes: its i-th token attends to start_pos + i + 1
+        positions (a step's records and the simulator's step model price prefill attention by it)."""
+        n = len(self.token_ids)
+        return n * self.start_pos + n * (n + 1) // 2
+
 
 @dataclass
 class ScheduledBatch:

@@ -1,11 +1,11 @@
 """Step times of another model or machine, derived from the calibrated ones by a roofline ratio.
 
-For a step with features f (prefill tokens P, decode sequences D, attended context tokens C;
-N = P + D tokens computed), a model on a machine has the lower bound
+For a step with features f (prefill tokens P, decode sequences D, attended context tokens C,
+prefill chunks' query-key pairs Q; N = P + D tokens computed), a model on a machine has the lower bound
 
     T(f) = max(bytes(f) / bandwidth, flops(f) / matmul peak)
     bytes(f) = weight bytes + C · KV bytes per token + 2 · D · state bytes per sequence
-    flops(f) = 2 · N · matmul parameters + 4 · C · heads · head_dim · full-attention layers
+    flops(f) = 2 · N · matmul parameters + 4 · (C + Q) · heads · head_dim · full-attention layers
 
 (``bench roofline`` counts a decode step the same way). The what-if step time is the calibrated
 prediction scaled by the ratio of the two bounds, plus the per-step host overhead:
@@ -15,10 +15,10 @@ prediction scaled by the ratio of the two bounds, plus the per-step host overhea
 so the calibrated machine's efficiency against its own roofline — the fixed cost ``a`` included,
 which on the calibration box is mostly reading the weights — is assumed to carry over to the target.
 Limits: that assumption (kernels, launch overheads and batching efficiency differ between a CPU and
-a GPU); attention FLOPs of a prefill chunk are counted like a decode's (C, not n·C/2), small for
-prompts of a few thousand tokens; no tensor parallelism or multi-GPU communication; no
-quantization beyond the machine's dtype; the host's per-step overhead stays as measured here unless
-the machine file states one.
+a GPU); a prefill chunk's context is counted in C as well as in Q (once, against its tokens times
+it: a rounding error); no tensor parallelism or multi-GPU communication; no quantization beyond the
+machine's dtype; the host's per-step overhead stays as measured here unless the machine file states
+one.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def roofline_seconds(cost: ModelCost, machine: Machine, f: StepFeatures) -> floa
     num_bytes = (cost.matmul_bytes + f.attended_context_tokens * cost.kv_bytes_per_token
                  + 2 * f.decode_seqs * cost.state_bytes_per_sequence)
     flops = (2 * (f.prefill_tokens + f.decode_seqs) * cost.matmul_params
-             + f.attended_context_tokens * cost.attention_flops_per_context_token)
+             + (f.attended_context_tokens + f.prefill_attention_pairs) * cost.attention_flops_per_context_token)
     return max(num_bytes / machine.bandwidth_bytes_per_s, flops / machine.peak_flops_per_s)
 
 

@@ -66,7 +66,7 @@ def record_features(record: dict[str, Any]) -> StepFeatures:
     """A step record's features in ``batch_features``' terms (drafts count as prefill there)."""
     drafts = record.get("num_draft_tokens", 0)
     return StepFeatures(record["num_prefill_tokens"] + drafts, record["num_decode_tokens"] - drafts,
-                        record.get("num_context_tokens", 0))
+                        record.get("num_context_tokens", 0), record.get("num_prefill_attention_pairs", 0))
 
 
 def busy_steps(records: Sequence[dict[str, Any]]) -> list[tuple[StepFeatures, float]]:

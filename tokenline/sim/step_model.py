@@ -1,6 +1,6 @@
 """The step-time model: step_s = a + b·prefill_tokens + b'·max(0, prefill_tokens − p) + c·decode_seqs
 + e·log2(1 + decode_seqs) + Σ_k h_k·max(0, decode_seqs − k) + d·attended_context_tokens
-+ f·[off the fused path].
++ (q or q_fused)·prefill_attention_pairs + f·[off the fused path].
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
@@ -14,6 +14,13 @@ dispatch, ~25 ms a step on the 2-core CPU here); without it, a fit over both reg
 small-batch multi-turn decode steps 23-39 % too slow. A step past ``prefill_knot`` prefill tokens
 may cost more per token (``prefill_hinge``): on the CPU here a 2048-token step cost 3.4 ms a token
 and a 128- to 896-token one 2.8, which one slope put 15 % high at c=1 and c=8 (their TTFT +10-20 %).
+A prefill chunk's attention costs its query-key pairs: n new tokens after s cached ones attend to
+n·s + n(n+1)/2 positions, where ``d`` counts the chunk's context once (its KV read, right for a
+decode row). Without them, a multi-turn chat's follow-up prefills (~70 tokens over 300-550 cached)
+ran ~15 % slower than the model priced them (its TTFT -10 %). The two paths price a pair apart:
+the torch operators' SDPA over the gathered context (``q``), and the one-call layer, where every
+prefill token is a decode query over its own context (``q_fused``; 32 tokens over 1024 cached took
+~2.5 us a pair there against SDPA's ~0.9 on the Ice Lake Xeon here).
 
 Fitted by least squares on step records of the real engine (``calibrate``), and used by the
 simulator's runner to advance its clock (``simulate``).
@@ -37,6 +44,7 @@ class StepFeatures:
     prefill_tokens: int
     decode_seqs: int
     attended_context_tokens: int  # per sequence, every position its new tokens attend to (the KV read)
+    prefill_attention_pairs: int = 0  # prefill chunks' query-key pairs (ScheduledSeq.attention_pairs)
 
     @property
     def unfused(self) -> int:
@@ -58,6 +66,9 @@ class StepModel:
     hinges: tuple[float, ...] = ()  # seconds per decoding sequence past each knot, on top of c
     prefill_knot: int = 0  # prefill tokens in a step past which each costs prefill_hinge more (0: none)
     prefill_hinge: float = 0.0
+    q: float = 0.0  # seconds per prefill query-key pair off the fused path (0 in profiles before it)
+    q_fused: float = 0.0  # seconds per prefill query-key pair in the one-call layer
+    b_fused: float | None = None  # seconds per prefill token in the one-call layer (None: b, as profiles before it)
 
     def __post_init__(self) -> None:
         # A profile read back from JSON gives lists.
@@ -69,27 +80,32 @@ class StepModel:
     def predict(self, f: StepFeatures) -> float:
         # A negative coefficient fitted on noise must never make time run backwards.
         past_knots = sum(h * max(0, f.decode_seqs - k) for k, h in zip(self.knots, self.hinges))
-        return max(0.0, self.a + self.prefill_s(f.prefill_tokens) + self.c * f.decode_seqs + past_knots
+        return max(0.0, self.a + self.prefill_s(f) + self.c * f.decode_seqs + past_knots
                    + self.e * math.log2(1 + f.decode_seqs) + self.d * f.attended_context_tokens + self.f * f.unfused)
 
-    def prefill_s(self, prefill_tokens: int) -> float:
-        """What a step's prefill tokens themselves cost: the slope, and the hinge past its knot."""
-        past = max(0, prefill_tokens - self.prefill_knot) if self.prefill_knot else 0
-        return self.b * prefill_tokens + self.prefill_hinge * past
+    def prefill_s(self, f: StepFeatures) -> float:
+        """What a step's prefill tokens themselves cost: the slope, the hinge past its knot, and
+        their attention's query-key pairs at the price of the path the step takes."""
+        past = max(0, f.prefill_tokens - self.prefill_knot) if self.prefill_knot else 0
+        if f.unfused:
+            return self.b * f.prefill_tokens + self.prefill_hinge * past + self.q * f.prefill_attention_pairs
+        b = self.b if self.b_fused is None else self.b_fused
+        return b * f.prefill_tokens + self.prefill_hinge * past + self.q_fused * f.prefill_attention_pairs
 
     def scaled(self, factor: float, prefill_factor: float | None = None) -> StepModel:
-        """Every coefficient times ``factor`` (the model is linear in them); the prefill ones (b and
-        the prefill hinge) times ``prefill_factor`` where given."""
+        """Every coefficient times ``factor`` (the model is linear in them); the prefill ones (b, the
+        prefill hinge, q and q_fused) times ``prefill_factor`` where given."""
         pf = factor if prefill_factor is None else prefill_factor
         return StepModel(self.a * factor, self.b * pf, self.c * factor, self.d * factor, self.residual_rms_s,
                          self.e * factor, self.f * factor, self.knots, tuple(h * factor for h in self.hinges),
-                         self.prefill_knot, self.prefill_hinge * pf)
+                         self.prefill_knot, self.prefill_hinge * pf, self.q * pf, self.q_fused * pf,
+                         None if self.b_fused is None else self.b_fused * pf)
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
     """The features of a scheduled batch: a sequence computing one token past its prompt decodes
     (drafts beside it count as prefill tokens here); any other chunk is prefill."""
-    prefill = decode = context = 0
+    prefill = decode = context = pairs = 0
     for seq in batch.seqs:
         n = len(seq.token_ids)
         if n - len(seq.draft_token_ids) == 1 and seq.start_pos >= len(seq.prompt_token_ids):
@@ -97,19 +113,20 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
             prefill += len(seq.draft_token_ids)
         else:
             prefill += n
+            pairs += seq.attention_pairs
         context += seq.start_pos + n
-    return StepFeatures(prefill, decode, context)
+    return StepFeatures(prefill, decode, context, pairs)
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float],
                    knots: Sequence[int] = (), prefill_knots: Sequence[int] = ()) -> StepModel:
-    """Least-squares fit of the coefficients (six, plus a hinge per knot) to measured step times,
-    robust to a shared machine: no coefficient below zero (no feature makes a step faster; hinges
+    """Least-squares fit of the coefficients (nine, plus a hinge per knot) to measured step times,
+    each step by its relative error, robust to a shared machine: no coefficient below zero (no feature makes a step faster; hinges
     only steepen the curve), and steps more than 3 scaled MADs off the fit (another process took the
     core) are left out and the rest refitted. ``residual_rms_s`` is over the steps kept.
 
     ``prefill_knots``: candidate knots for the prefill hinge; each below the largest prefill step is
-    fitted and the one whose fit is closest over every step (kept or not) is taken."""
+    fitted and the one whose fit is closest over every step (kept or not, relative errors) is taken."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
     largest = max((f.prefill_tokens for f in features), default=0)
@@ -120,21 +137,27 @@ def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float
 def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: Sequence[int],
          prefill_knot: int) -> tuple[StepModel, float]:
     """One fit (``prefill_knot`` 0: no prefill hinge) and its rms over every step."""
-    columns = 6 + len(knots) + bool(prefill_knot)
+    columns = 9 + len(knots) + bool(prefill_knot)
     if len(features) < columns:
         raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")
-    x = np.array([[1.0, f.prefill_tokens, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
-                   f.unfused, *(max(0, f.decode_seqs - k) for k in knots),
+    x = np.array([[1.0, f.prefill_tokens * f.unfused, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
+                   f.unfused, f.prefill_attention_pairs * f.unfused, f.prefill_attention_pairs * (1 - f.unfused),
+                   f.prefill_tokens * (1 - f.unfused),
+                   *(max(0, f.decode_seqs - k) for k in knots),
                    *((max(0, f.prefill_tokens - prefill_knot),) if prefill_knot else ())] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
-    coef, keep = robust_lstsq(x, y)
+    # Each step weighs by its relative error: in plain least squares the few multi-second prefill
+    # steps set the price of the short ones (a 32-token prefill came out 24 % high on the Ice Lake
+    # Xeon), and a simulation's TTFT at c=1 is one short step.
+    weight = 1.0 / np.maximum(y, 1e-3)
+    coef, keep = robust_lstsq(x * weight[:, None], y * weight)
     residual = x @ coef - y
     rms = float(np.sqrt(np.mean(residual[keep] ** 2)))
-    a, b, c, e, d, off = (float(v) for v in coef[:6])
-    hinges = tuple(float(v) for v in coef[6 : 6 + len(knots)])
+    a, b, c, e, d, off, q, q_fused, b_fused = (float(v) for v in coef[:9])
+    hinges = tuple(float(v) for v in coef[9 : 9 + len(knots)])
     prefill_hinge = float(coef[-1]) if prefill_knot else 0.0
-    model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge)
-    return model, float(np.sqrt(np.mean(residual**2)))
+    model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge, q, q_fused, b_fused)
+    return model, float(np.sqrt(np.mean((residual * weight) ** 2)))
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
