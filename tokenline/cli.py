@@ -488,12 +488,15 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     overhead = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
     profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run)
     m = profile.step_model
-    print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token + {m.c * 1e3:.3f} ms/decode seq "
-          f"+ {m.e * 1e3:.3f} ms x log2(1 + decode seqs) "
+    b_fused = m.b if m.b_fused is None else m.b_fused
+    print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token ({b_fused * 1e3:.4f} in the one-call layer) "
+          f"+ {m.c * 1e3:.3f} ms/decode seq + {m.e * 1e3:.3f} ms x log2(1 + decode seqs) "
           + "".join(f"+ {h * 1e3:.3f} ms/decode seq past {k} " for k, h in zip(m.knots, m.hinges))
           + (f"+ {m.prefill_hinge * 1e3:.4f} ms/prefill token past {m.prefill_knot} " if m.prefill_knot else "")
-          + f"+ {m.d * 1e6:.4f} us/attended context token + {m.f * 1e3:.3f} ms off the fused decode path  (fit rms {m.residual_rms_s * 1e3:.2f} ms over "
-          f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
+          + f"+ {m.d * 1e6:.4f} us/attended context token + {m.q * 1e6:.4f} us/prefill query-key pair "
+          f"({m.q_fused * 1e6:.4f} in the one-call layer) + {m.f * 1e3:.3f} ms off the fused decode path  "
+          f"(fit rms {m.residual_rms_rel * 100:.1f} %, {m.residual_rms_s * 1e3:.2f} ms, over {profile.num_steps} steps; "
+          f"{profile.model}, {profile.dtype})")
     if profile.server_steps:
         print(f"in a server: step x {profile.step_scale:.3f} + {profile.step_overhead_s * 1e3:.2f} ms "
               f"(over {profile.server_steps} steps), {profile.request_overhead_s * 1e3:.1f} ms per request")

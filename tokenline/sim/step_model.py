@@ -69,6 +69,7 @@ class StepModel:
     q: float = 0.0  # seconds per prefill query-key pair off the fused path (0 in profiles before it)
     q_fused: float = 0.0  # seconds per prefill query-key pair in the one-call layer
     b_fused: float | None = None  # seconds per prefill token in the one-call layer (None: b, as profiles before it)
+    residual_rms_rel: float = 0.0  # the fit's root-mean-square relative error on its own records (what it minimised)
 
     def __post_init__(self) -> None:
         # A profile read back from JSON gives lists.
@@ -99,7 +100,7 @@ class StepModel:
         return StepModel(self.a * factor, self.b * pf, self.c * factor, self.d * factor, self.residual_rms_s,
                          self.e * factor, self.f * factor, self.knots, tuple(h * factor for h in self.hinges),
                          self.prefill_knot, self.prefill_hinge * pf, self.q * pf, self.q_fused * pf,
-                         None if self.b_fused is None else self.b_fused * pf)
+                         None if self.b_fused is None else self.b_fused * pf, self.residual_rms_rel)
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
@@ -153,10 +154,12 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
     coef, keep = robust_lstsq(x * weight[:, None], y * weight)
     residual = x @ coef - y
     rms = float(np.sqrt(np.mean(residual[keep] ** 2)))
+    rms_rel = float(np.sqrt(np.mean((residual * weight)[keep] ** 2)))
     a, b, c, e, d, off, q, q_fused, b_fused = (float(v) for v in coef[:9])
     hinges = tuple(float(v) for v in coef[9 : 9 + len(knots)])
     prefill_hinge = float(coef[-1]) if prefill_knot else 0.0
-    model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge, q, q_fused, b_fused)
+    model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge, q, q_fused, b_fused,
+                      rms_rel)
     return model, float(np.sqrt(np.mean((residual * weight) ** 2)))
 
 
