@@ -1394,13 +1394,15 @@ static void panel_rows(const float *x, const float *panel, float *y, int64_t M, 
  * where the tile above feeds two 256-bit ones. On Intel cores with two 512-bit FMA units that is
  * twice the arithmetic a cycle (the default model's linears at 32-256 rows ran at 34-67 GFLOP/s
  * against MKL's 110 on a 2-core Ice Lake Xeon); an output is still one FMA chain over k in order,
- * so its bits match the single-panel tile's. The second panel may be the matrix's last, narrower. */
+ * so its bits match the single-panel tile's (which takes an odd last panel). The second panel of a
+ * pair may be the matrix's last, narrower. */
 typedef float tl_v16 __attribute__((vector_size(64)));
 typedef float tl_v16u __attribute__((vector_size(64), aligned(4)));
 /* Tuned on the 2-core Ice Lake Xeon, the default model's projections, A/B in one process: twelve
  * rows a tile (24 accumulators; 6 was 1.13x the time at 32 rows), slices of up to 256 inputs (both
  * panels' 32 KB; 128 was 1.07x at 32 rows), and the slice prefetched ahead up to 64 rows (at 32 rows
- * the first row group otherwise waits on memory: 1.11x). */
+ * the first row group otherwise waits on memory: 1.11x; at 1 row 1.06x). One row takes pairs too:
+ * two streams read the weights at 0.76x the single-panel tile's time. */
 #define TL_MR_PAIR 12
 #define TL_KC_PAIR 256
 #define TL_PAIR_PREFETCH_ROWS 64
@@ -1463,39 +1465,36 @@ static void panel_pair_rows(const float *x, const float *p0, const float *p1, fl
         for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
             rows = M - m0 <= TL_MR_MAX ? M - m0 : TL_MR_PAIR;
             panel_pair_dispatch(x + m0 * K + k0, K, p0 + k0 * TL_PANEL, p1 + k0 * TL_PANEL, y + m0 * N, N, rows,
-                                width, k0 > 0 || accumulate, cols1, m0 == 0 && M > 1 && M <= TL_PAIR_PREFETCH_ROWS);
+                                width, k0 > 0 || accumulate, cols1, m0 == 0 && M <= TL_PAIR_PREFETCH_ROWS);
         }
     }
 }
 #endif
 
-/* y[M, N] (+)= x[M, K] @ w^T, w as panels: threads split the panels (in pairs with AVX-512), each
- * streamed once for all M rows. */
+/* y[M, N] (+)= x[M, K] @ w^T, w as panels: threads split the panels (in pairs with AVX-512, the odd
+ * last one alone), each streamed once for all M rows. */
 static void panels_f32(const float *x, const float *panels, float *y, int64_t M, int64_t N, int64_t K,
                        int accumulate) {
     const int64_t count = (N + TL_PANEL - 1) / TL_PANEL;
 #if defined(__AVX512F__)
-    if (M > 1) { /* one row reads the weights at memory speed either way; its tile stays as it was */
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < (count + 1) / 2; i++) {
-            const int64_t t = 2 * i;
-            if (t + 1 < count) {
-                const int cols1 = (int)(N - (t + 1) * TL_PANEL < TL_PANEL ? N - (t + 1) * TL_PANEL : TL_PANEL);
-                panel_pair_rows(x, panels + t * K * TL_PANEL, panels + (t + 1) * K * TL_PANEL, y + t * TL_PANEL, M, N,
-                                K, accumulate, cols1);
-            } else {
-                const int cols = (int)(N - t * TL_PANEL);
-                panel_rows(x, panels + t * K * TL_PANEL, y + t * TL_PANEL, M, N, K, accumulate, cols);
-            }
+    for (int64_t i = 0; i < (count + 1) / 2; i++) {
+        const int64_t t = 2 * i;
+        if (t + 1 < count) {
+            const int cols1 = (int)(N - (t + 1) * TL_PANEL < TL_PANEL ? N - (t + 1) * TL_PANEL : TL_PANEL);
+            panel_pair_rows(x, panels + t * K * TL_PANEL, panels + (t + 1) * K * TL_PANEL, y + t * TL_PANEL, M, N, K,
+                            accumulate, cols1);
+        } else {
+            panel_rows(x, panels + t * K * TL_PANEL, y + t * TL_PANEL, M, N, K, accumulate, (int)(N - t * TL_PANEL));
         }
-        return;
     }
-#endif
+#else
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < count; t++) {
         const int cols = (int)(N - t * TL_PANEL < TL_PANEL ? N - t * TL_PANEL : TL_PANEL);
         panel_rows(x, panels + t * K * TL_PANEL, y + t * TL_PANEL, M, N, K, accumulate, cols);
     }
+#endif
 }
 
 /* y[M, N] = x[M, K] @ w^T in float32 for up to a few hundred rows (a decode step, a short prefill
