@@ -102,3 +102,7 @@ def test_server_run_fit_reads_scale_overhead_and_request_overhead() -> None:
     fit = run.fit(model)
     assert fit.step_scale == pytest.approx(1.2, rel=1e-6) and fit.step_overhead_s == pytest.approx(0.003, abs=1e-7)
     assert fit.request_overhead_s == pytest.approx(0.5 - 0.40 - 0.003, abs=1e-6) and fit.num_steps == 9
+    # a c=1 TTFT no longer than its prefill step and g (noise) leaves the floor, not zero
+    from tokenline.sim.server_fit import MIN_REQUEST_OVERHEAD_S
+
+    assert ServerRun(run.steps, (0.39, 0.40, 0.45), 0.401).fit(model).request_overhead_s == MIN_REQUEST_OVERHEAD_S
