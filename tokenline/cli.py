@@ -495,8 +495,8 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
           + (f"+ {m.prefill_hinge * 1e3:.4f} ms/prefill token past {m.prefill_knot} " if m.prefill_knot else "")
           + f"+ {m.d * 1e6:.4f} us/attended context token + {m.q * 1e6:.4f} us/prefill query-key pair "
           f"({m.q_fused * 1e6:.4f} in the one-call layer) + {m.f * 1e3:.3f} ms off the fused decode path  "
-          f"(fit rms {m.residual_rms_rel * 100:.1f} %, {m.residual_rms_s * 1e3:.2f} ms, over {profile.num_steps} steps; "
-          f"{profile.model}, {profile.dtype})")
+          f"(fit rms {m.residual_rms_rel * 100:.1f} %, {m.residual_rms_s * 1e3:.2f} ms, over "
+          f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
     if profile.server_steps:
         print(f"in a server: step x {profile.step_scale:.3f} + {profile.step_overhead_s * 1e3:.2f} ms "
               f"(over {profile.server_steps} steps), {profile.request_overhead_s * 1e3:.1f} ms per request")

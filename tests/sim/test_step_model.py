@@ -75,7 +75,8 @@ def test_batch_features_tell_decode_from_prefill_and_count_attended_positions() 
     ])
     # query-key pairs of the prefill chunks: 64 tokens over 32 cached attend to 33..96 positions, the
     # last prompt token to 100; the decode row's attention is its context
-    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1, attended_context_tokens=96 + 100 + 105,
+    assert batch_features(batch) == StepFeatures(prefill_tokens=65, decode_seqs=1,
+                                                 attended_context_tokens=96 + 100 + 105,
                                                  prefill_attention_pairs=sum(range(33, 97)) + 100)
 
 
@@ -179,7 +180,8 @@ def test_prefill_attention_pairs_price_a_chunk_over_a_cached_prefix() -> None:
     # lone prompts, decode batches' prompts prefilled 2048 tokens a step (8 x 256, 2 x 1024, ...),
     # follow-ups over cached prefixes, decode steps
     features = [fresh(p) for p in (32, 64, 96, 128, 384)]
-    features += [StepFeatures(n * p, 0, n * p, n * p * (p + 1) // 2) for n, p in ((8, 256), (2, 1024), (4, 256), (1, 1024))]
+    features += [StepFeatures(n * p, 0, n * p, n * p * (p + 1) // 2)
+                 for n, p in ((8, 256), (2, 1024), (4, 256), (1, 1024))]
     features += [followup(n, s) for s in (256, 512, 1024) for n in (32, 64, 128)]
     features += [StepFeatures(0, b, b * ctx) for b in (1, 4, 8, 16, 32) for ctx in (32, 256, 1024)]
     features *= 2

@@ -47,9 +47,9 @@ class CalibrationDesign:
     # takes the best of these. The decode batches' prefill steps reach 1024 and 2048 tokens.
     prefill_knots: tuple[int, ...] = (512, 1024, 1536)
     # (cached prefix, new tokens): a prefill chunk over a cached prefix, whose attention grows with
-    # its tokens times that context. Fresh prompts cannot pin its price (q): their query-key pairs
-    # grow as the square of their tokens, as the prefill hinge lets their cost grow too. Without
-    # these, multi-turn chats' follow-up prefills ran ~15 % slower than the fit priced them.
+    # its tokens times that context. Fresh prompts pin its price (q, q_fused) poorly: their query-key
+    # pairs grow as the square of their tokens, as the prefill hinge lets their cost grow too.
+    # Without these, multi-turn chats' follow-up prefills ran ~15 % slower than the fit priced them.
     followups: tuple[tuple[int, int], ...] = ((256, 32), (256, 128), (512, 64), (1024, 32), (1024, 128))
 
 

@@ -1,6 +1,7 @@
-"""The step-time model: step_s = a + b·prefill_tokens + b'·max(0, prefill_tokens − p) + c·decode_seqs
-+ e·log2(1 + decode_seqs) + Σ_k h_k·max(0, decode_seqs − k) + d·attended_context_tokens
-+ (q or q_fused)·prefill_attention_pairs + f·[off the fused path].
+"""The step-time model: step_s = a + (b or b_fused)·prefill_tokens + b'·max(0, prefill_tokens − p)
++ c·decode_seqs + e·log2(1 + decode_seqs) + Σ_k h_k·max(0, decode_seqs − k) + d·attended_context_tokens
++ (q or q_fused)·prefill_attention_pairs + f·[off the fused path], the _fused prices for a step the
+one-call layer takes.
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
@@ -20,7 +21,9 @@ decode row). Without them, a multi-turn chat's follow-up prefills (~70 tokens ov
 ran ~15 % slower than the model priced them (its TTFT -10 %). The two paths price a pair apart:
 the torch operators' SDPA over the gathered context (``q``), and the one-call layer, where every
 prefill token is a decode query over its own context (``q_fused``; 32 tokens over 1024 cached took
-~2.5 us a pair there against SDPA's ~0.9 on the Ice Lake Xeon here).
+~2.5 us a pair there against SDPA's ~0.9 on the Ice Lake Xeon here). That layer's prefill tokens
+cost less each than the torch path's (``b_fused``: 1.2-1.5 ms against 2.3-2.5 there), which one
+slope put 24 % high for a 32-token prompt.
 
 Fitted by least squares on step records of the real engine (``calibrate``), and used by the
 simulator's runner to advance its clock (``simulate``).
@@ -68,8 +71,8 @@ class StepModel:
     prefill_hinge: float = 0.0
     q: float = 0.0  # seconds per prefill query-key pair off the fused path (0 in profiles before it)
     q_fused: float = 0.0  # seconds per prefill query-key pair in the one-call layer
-    b_fused: float | None = None  # seconds per prefill token in the one-call layer (None: b, as profiles before it)
-    residual_rms_rel: float = 0.0  # the fit's root-mean-square relative error on its own records (what it minimised)
+    b_fused: float | None = None  # seconds per prefill token in the one-call layer (None: b, as before it)
+    residual_rms_rel: float = 0.0  # the fit's rms relative error on its own records (what it minimised)
 
     def __post_init__(self) -> None:
         # A profile read back from JSON gives lists.
@@ -122,9 +125,10 @@ def batch_features(batch: ScheduledBatch) -> StepFeatures:
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float],
                    knots: Sequence[int] = (), prefill_knots: Sequence[int] = ()) -> StepModel:
     """Least-squares fit of the coefficients (nine, plus a hinge per knot) to measured step times,
-    each step by its relative error, robust to a shared machine: no coefficient below zero (no feature makes a step faster; hinges
-    only steepen the curve), and steps more than 3 scaled MADs off the fit (another process took the
-    core) are left out and the rest refitted. ``residual_rms_s`` is over the steps kept.
+    each step by its relative error, robust to a shared machine: no coefficient below zero (no
+    feature makes a step faster; hinges only steepen the curve), and steps more than 3 scaled MADs
+    off the fit (another process took the core) are left out and the rest refitted.
+    ``residual_rms_s`` and ``residual_rms_rel`` are over the steps kept.
 
     ``prefill_knots``: candidate knots for the prefill hinge; each below the largest prefill step is
     fitted and the one whose fit is closest over every step (kept or not, relative errors) is taken."""
@@ -141,9 +145,9 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
     columns = 9 + len(knots) + bool(prefill_knot)
     if len(features) < columns:
         raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")
-    x = np.array([[1.0, f.prefill_tokens * f.unfused, f.decode_seqs, math.log2(1 + f.decode_seqs), f.attended_context_tokens,
-                   f.unfused, f.prefill_attention_pairs * f.unfused, f.prefill_attention_pairs * (1 - f.unfused),
-                   f.prefill_tokens * (1 - f.unfused),
+    x = np.array([[1.0, f.prefill_tokens * f.unfused, f.decode_seqs, math.log2(1 + f.decode_seqs),
+                   f.attended_context_tokens, f.unfused, f.prefill_attention_pairs * f.unfused,
+                   f.prefill_attention_pairs * (1 - f.unfused), f.prefill_tokens * (1 - f.unfused),
                    *(max(0, f.decode_seqs - k) for k in knots),
                    *((max(0, f.prefill_tokens - prefill_knot),) if prefill_knot else ())] for f in features])
     y = np.asarray(durations_s, dtype=np.float64)
