@@ -141,7 +141,7 @@ def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float
 
 def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: Sequence[int],
          prefill_knot: int) -> tuple[StepModel, float]:
-    """One fit (``prefill_knot`` 0: no prefill hinge) and its rms over every step."""
+    """One fit (``prefill_knot`` 0: no prefill hinge) and its relative rms over every step."""
     columns = 9 + len(knots) + bool(prefill_knot)
     if len(features) < columns:
         raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")

@@ -1402,7 +1402,7 @@ typedef float tl_v16u __attribute__((vector_size(64), aligned(4)));
  * rows a tile (24 accumulators; 6 was 1.13x the time at 32 rows), slices of up to 256 inputs (both
  * panels' 32 KB; 128 was 1.07x at 32 rows), and the slice prefetched ahead up to 64 rows (at 32 rows
  * the first row group otherwise waits on memory: 1.11x; at 1 row 1.06x). One row takes pairs too:
- * two streams read the weights at 0.76x the single-panel tile's time. */
+ * two streams read the weights at ~0.8x the single-panel tile's time. */
 #define TL_MR_PAIR 12
 #define TL_KC_PAIR 256
 #define TL_PAIR_PREFETCH_ROWS 64
