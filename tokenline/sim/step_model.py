@@ -91,10 +91,8 @@ class StepModel:
         """What a step's prefill tokens themselves cost: the slope, the hinge past its knot, and
         their attention's query-key pairs at the price of the path the step takes."""
         past = max(0, f.prefill_tokens - self.prefill_knot) if self.prefill_knot else 0
-        if f.unfused:
-            return self.b * f.prefill_tokens + self.prefill_hinge * past + self.q * f.prefill_attention_pairs
-        b = self.b if self.b_fused is None else self.b_fused
-        return b * f.prefill_tokens + self.prefill_hinge * past + self.q_fused * f.prefill_attention_pairs
+        b, q = (self.b, self.q) if f.unfused else (self.b if self.b_fused is None else self.b_fused, self.q_fused)
+        return b * f.prefill_tokens + self.prefill_hinge * past + q * f.prefill_attention_pairs
 
     def scaled(self, factor: float, prefill_factor: float | None = None) -> StepModel:
         """Every coefficient times ``factor`` (the model is linear in them); the prefill ones (b, the
@@ -157,14 +155,15 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
     weight = 1.0 / np.maximum(y, 1e-3)
     coef, keep = robust_lstsq(x * weight[:, None], y * weight)
     residual = x @ coef - y
+    relative = residual * weight
     rms = float(np.sqrt(np.mean(residual[keep] ** 2)))
-    rms_rel = float(np.sqrt(np.mean((residual * weight)[keep] ** 2)))
+    rms_rel = float(np.sqrt(np.mean(relative[keep] ** 2)))
     a, b, c, e, d, off, q, q_fused, b_fused = (float(v) for v in coef[:9])
     hinges = tuple(float(v) for v in coef[9 : 9 + len(knots)])
     prefill_hinge = float(coef[-1]) if prefill_knot else 0.0
     model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge, q, q_fused, b_fused,
                       rms_rel)
-    return model, float(np.sqrt(np.mean((residual * weight) ** 2)))
+    return model, float(np.sqrt(np.mean(relative**2)))
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1398,12 +1398,11 @@ static void panel_rows(const float *x, const float *panel, float *y, int64_t M, 
  * pair may be the matrix's last, narrower. */
 typedef float tl_v16 __attribute__((vector_size(64)));
 typedef float tl_v16u __attribute__((vector_size(64), aligned(4)));
-/* Tuned on the 2-core Ice Lake Xeon, the default model's projections, A/B in one process: twelve
- * rows a tile (24 accumulators; 6 was 1.13x the time at 32 rows), slices of up to 256 inputs (both
- * panels' 32 KB; 128 was 1.07x at 32 rows), and the slice prefetched ahead up to 64 rows (at 32 rows
- * the first row group otherwise waits on memory: 1.11x; at 1 row 1.06x). One row takes pairs too:
- * two streams read the weights at ~0.8x the single-panel tile's time. */
-#define TL_MR_PAIR 12
+/* Tuned on the 2-core Ice Lake Xeon, the default model's projections, A/B in one process: tiles of
+ * TL_MR_MAX (12) rows, 24 accumulators (6 was 1.13x the time at 32 rows), slices of up to 256 inputs
+ * (both panels' 32 KB; 128 was 1.07x at 32 rows), and the slice prefetched ahead up to 64 rows (at
+ * 32 rows the first row group otherwise waits on memory: 1.11x; at 1 row 1.06x). One row takes
+ * pairs too: two streams read the weights at ~0.8x the single-panel tile's time. */
 #define TL_KC_PAIR 256
 #define TL_PAIR_PREFETCH_ROWS 64
 
@@ -1463,7 +1462,7 @@ static void panel_pair_rows(const float *x, const float *p0, const float *p1, fl
     for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t width = K - k0 < kc ? K - k0 : kc;
         for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
-            rows = M - m0 <= TL_MR_MAX ? M - m0 : TL_MR_PAIR;
+            rows = M - m0 < TL_MR_MAX ? M - m0 : TL_MR_MAX;
             panel_pair_dispatch(x + m0 * K + k0, K, p0 + k0 * TL_PANEL, p1 + k0 * TL_PANEL, y + m0 * N, N, rows,
                                 width, k0 > 0 || accumulate, cols1, m0 == 0 && M <= TL_PAIR_PREFETCH_ROWS);
         }
