@@ -10,11 +10,15 @@ Repeats the whole list ``--repeats`` times, stops the server by pid and prints o
 pair: p50 TTFT / TPOT / E2E real and simulated with the error, the 1-minute load average, and the
 error once the simulation runs at the real run's own step speeds (``at_run_speed``: its decode and
 prefill steps' wall times against the profile's prediction): on a shared machine, what is left
-when the load of the moment is taken out.
+when the load of the moment is taken out. Then a summary: how many p50s are within 10 % as
+calibrated, against the mean of the repeats (a workload's real runs averaged, against its
+simulations averaged), and at the runs' own speed, with the median error of each.
 
     .venv/bin/python bench/sim_vs_real.py PROFILE.json OUT_DIR [--repeats 2] \\
         [--workloads 1,6,128,32 8,16,128,32 32,32,128,32 32,64,128,32 8,16,512,16 mt:4,8,4,2,256,32,32]
         # c,num-prompts,in,out; mt:c,conversations,turns,groups,system-prompt-len,in,out
+    .venv/bin/python bench/sim_vs_real.py PROFILE.json OUT_DIR --resimulate   # no server: the saved
+        # real runs of OUT_DIR against this profile (another fit of the same runs)
 """
 
 from __future__ import annotations
@@ -118,13 +122,54 @@ class Workload:
         return simulate_replicas(profile, config, self.fleet).to_dict()
 
 
-def row(profile: Profile, workload: Workload, real: dict, steps: list[dict], load: float, repeat: int) -> str:
+@dataclass
+class Pair:
+    """One real run and its simulations: as calibrated, and at the run's own step speeds."""
+
+    workload: Workload
+    repeat: int
+    load: float
+    real: dict
+    sim: dict
+    at_speed: dict
+    decode_speed: float
+    prefill_speed: float
+
+    def row(self) -> str:
+        cells = [self.workload.label(), str(self.repeat), f"{self.load:.1f}"]
+        cells += [f"{self.real[k]:.0f} / {self.sim[k]:.0f} ({pct(self.sim[k], self.real[k])})" for k in KEYS]
+        cells.append(f"×{self.decode_speed:.2f} / ×{self.prefill_speed:.2f}: "
+                     + " / ".join(pct(self.at_speed[k], self.real[k]) for k in KEYS))
+        return "| " + " | ".join(cells) + " |"
+
+
+def compare(profile: Profile, workload: Workload, real: dict, steps: list[dict], load: float, repeat: int) -> Pair:
     sim = workload.simulate(profile, real["seed"])
     adj, decode_speed, prefill_speed = at_run_speed(profile, workload, real["seed"], steps)
-    cells = [workload.label(), str(repeat), f"{load:.1f}"]
-    cells += [f"{real[k]:.0f} / {sim[k]:.0f} ({pct(sim[k], real[k])})" for k in KEYS]
-    cells.append(f"×{decode_speed:.2f} / ×{prefill_speed:.2f}: " + " / ".join(pct(adj[k], real[k]) for k in KEYS))
-    return "| " + " | ".join(cells) + " |"
+    return Pair(workload, repeat, load, real, sim, adj, decode_speed, prefill_speed)
+
+
+def within(errors: list[float], bound: float = 0.10) -> str:
+    sizes = [abs(e) for e in errors]
+    inside = sum(e <= bound for e in sizes)
+    return (f"{inside} of {len(errors)} within {bound:.0%} (median {statistics.median(sizes) * 100:.1f} %, "
+            f"largest {max(sizes) * 100:.0f} %)")
+
+
+def summary(pairs: list[Pair]) -> list[str]:
+    """The three counts the README quotes, over every p50 of every pair."""
+    def err(sim: dict, real: dict, k: str) -> float:
+        return (sim[k] - real[k]) / real[k]
+
+    calibrated = [err(p.sim, p.real, k) for p in pairs for k in KEYS]
+    own_speed = [err(p.at_speed, p.real, k) for p in pairs for k in KEYS]
+    by_workload: dict[str, list[Pair]] = {}
+    for p in pairs:
+        by_workload.setdefault(p.workload.label(), []).append(p)
+    mean = [(statistics.mean(p.sim[k] for p in ps) - statistics.mean(p.real[k] for p in ps))
+            / statistics.mean(p.real[k] for p in ps) for ps in by_workload.values() for k in KEYS]
+    return [f"as calibrated: {within(calibrated)}", f"against the repeats' mean: {within(mean)}",
+            f"at the runs' own speed: {within(own_speed)}"]
 
 
 def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[dict]) -> tuple[dict, float, float]:
@@ -151,11 +196,15 @@ def main() -> int:
     parser.add_argument("profile")
     parser.add_argument("out_dir")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--resimulate", action="store_true",
+                        help="start no server: compare OUT_DIR's saved real runs with this profile")
     parser.add_argument("--workloads", nargs="+", default=["1,6,128,32", "8,16,128,32", "32,32,128,32", "32,64,128,32", "8,16,512,16",
                                                          "mt:4,8,4,2,256,32,32"])
     args = parser.parse_args()
     profile = Profile.read(args.profile)
     out = Path(args.out_dir)
+    if args.resimulate:
+        return resimulate(profile, out, args.repeats, args.workloads)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -163,9 +212,8 @@ def main() -> int:
     with open(out / "server.log", "w") as log:
         server = subprocess.Popen([*TOKENLINE, "serve", "--dtype", "float32", "--kv-cache-memory", "1", "--port",
                                    str(port), "--threads-per-engine", "1"], env=env, stdout=log, stderr=log, cwd=ROOT)
-    print("| workload (c, in/out) | repeat | load | TTFT p50 ms real / sim | TPOT p50 ms real / sim "
-          "| E2E p50 ms real / sim | at the run's decode / prefill speed: TTFT / TPOT / E2E |")
-    print("|---|---|---|---|---|---|---|")
+    print_header()
+    pairs: list[Pair] = []
     try:
         wait_healthy(url, server, timeout=300)
         subprocess.run([*TOKENLINE, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--input-len", "16",
@@ -175,7 +223,7 @@ def main() -> int:
             for spec in args.workloads:
                 workload = Workload.parse(spec)
                 seed += 1
-                tag = f"{spec.replace(':', '').replace(',', '_')}_r{repeat}"
+                tag = run_tag(spec, repeat)
                 steps: list[dict] = []
                 stop = threading.Event()
                 reader = threading.Thread(target=read_steps, args=(url, steps, stop), daemon=True)
@@ -188,11 +236,46 @@ def main() -> int:
                 stop.set()
                 time.sleep(1.2)  # the last steps' events, and a stats tick that wakes the reader
                 (out / f"{tag}_steps.json").write_text(json.dumps(steps))
+                (out / f"{tag}_load.json").write_text(json.dumps(load))
                 real = json.loads((out / f"{tag}_real.json").read_text())
-                print(row(profile, workload, real, steps, load, repeat), flush=True)
+                pairs.append(compare(profile, workload, real, steps, load, repeat))
+                print(pairs[-1].row(), flush=True)
     finally:
         server.terminate()
         server.wait(60)
+    print("\n" + "\n".join(summary(pairs)))
+    return 0
+
+
+def run_tag(spec: str, repeat: int) -> str:
+    return f"{spec.replace(':', '').replace(',', '_')}_r{repeat}"
+
+
+def print_header() -> None:
+    print("| workload (c, in/out) | repeat | load | TTFT p50 ms real / sim | TPOT p50 ms real / sim "
+          "| E2E p50 ms real / sim | at the run's decode / prefill speed: TTFT / TPOT / E2E |")
+    print("|---|---|---|---|---|---|---|")
+
+
+def resimulate(profile: Profile, out: Path, repeats: int, specs: list[str]) -> int:
+    """The saved runs of an earlier comparison (real results and step records) against ``profile``."""
+    print_header()
+    pairs = []
+    for repeat in range(repeats):
+        for spec in specs:
+            tag = run_tag(spec, repeat)
+            if not (out / f"{tag}_real.json").exists():
+                continue
+            real = json.loads((out / f"{tag}_real.json").read_text())
+            steps = json.loads((out / f"{tag}_steps.json").read_text())
+            load_file = out / f"{tag}_load.json"
+            load = json.loads(load_file.read_text()) if load_file.exists() else float("nan")
+            pairs.append(compare(profile, Workload.parse(spec), real, steps, load, repeat))
+            print(pairs[-1].row(), flush=True)
+    if not pairs:
+        print(f"no saved runs in {out}", file=sys.stderr)
+        return 1
+    print("\n" + "\n".join(summary(pairs)))
     return 0
 
 
