@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenline.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
 from tokenline.engine.mtp_proposer import MtpProposer
@@ -37,7 +38,7 @@ logger = logging.getLogger("tokenline.engine")
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048
     # The most tokens a step may have for the model's one-call decode layers to take it (the
     # model's fused_step_tokens(); 0: it has none). Drafts stay below it at a large batch.

@@ -28,6 +28,9 @@ from tokenline.sim.server_fit import run_server_loads
 from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_model
 
 
+CALIBRATION_STEP_TOKENS = 2048
+
+
 @dataclass
 class CalibrationDesign:
     # 64 and 96 sit either side of the one-call layer's cap (FUSED_DECODE_ROWS): they pin its jump (f).
@@ -119,9 +122,12 @@ def calibrate(
                   max((cached + new + 1 for cached, new in design.followups), default=0))
     # Room for the largest decode batch at once (max_batch_tokens at float32's 46 KB a token on the
     # default model: 0.25 GiB held 22 of batch 32's 256-token sequences).
+    # The design's own step budget, whatever the server's default: its decode batches' prefill steps
+    # reach 2048 tokens, so a profile prices the steps of a larger --max-num-batched-tokens too.
     config = EngineConfig(
         dtype=dtype, device=device, enable_prefix_caching=True, kv_cache_memory_gib=0.5,
         max_model_len=min(model_config.max_position_embeddings, max(longest, 1024)),
+        max_num_batched_tokens=CALIBRATION_STEP_TOKENS,
     )
     core = build_engine_core(config, model_dir)
     runner = core.runner

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenline.bench.serve import BenchServeReport, RequestResult, _stats_ms, make_prompts
+from tokenline.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
@@ -32,7 +33,7 @@ class SimConfig:
     input_len: int = 128
     output_len: int = 64
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the server's default
     kv_cache_memory_gib: float | None = None  # None: the machine's memory less the weights, or 2 GiB here
     block_size: int = 16
     seed: int = 0
