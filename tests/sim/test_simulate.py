@@ -108,3 +108,16 @@ def test_requests_sent_together_reach_the_engine_one_overhead_apart() -> None:
     ttft = sorted(r.ttft for r in run.results)
     assert ttft[0] == pytest.approx(0.01 + STEP.predict(StepFeatures(64, 0, 64)))
     assert ttft[1] > 2 * ttft[0]  # the other three waited for the lone step
+
+
+def test_simulation_defaults_follow_the_server() -> None:
+    """A simulation with default options must schedule as a default `tokenline serve` does (step
+    budget, sequences a step), or it predicts another server."""
+    from tokenline.cli import build_parser
+    from tokenline.engine.config import EngineConfig
+
+    serve = build_parser().parse_args(["serve"])
+    sim = build_parser().parse_args(["simulate", "--profile", "profile.json"])
+    engine = EngineConfig()
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        assert getattr(SimConfig(), name) == getattr(engine, name) == getattr(serve, name) == getattr(sim, name), name
