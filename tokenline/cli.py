@@ -847,8 +847,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV cache (and state) memory in GiB (default: the machine's memory less the weights, "
                         "or 2 on the calibrated machine)")

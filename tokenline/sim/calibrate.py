@@ -28,9 +28,6 @@ from tokenline.sim.server_fit import run_server_loads
 from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_model
 
 
-CALIBRATION_STEP_TOKENS = 2048
-
-
 @dataclass
 class CalibrationDesign:
     # 64 and 96 sit either side of the one-call layer's cap (FUSED_DECODE_ROWS): they pin its jump (f).
@@ -43,6 +40,9 @@ class CalibrationDesign:
     # A decode batch's prompts together at most. 8192 takes batch 32 to 256-token contexts: a server
     # at c=32 decodes there, and a design that stopped at 2048 put those steps 14-25 % too fast.
     max_batch_tokens: int = 8192
+    # The design's own step budget, whatever the server's default: its decode batches' prefill steps
+    # reach 2048 tokens, so a profile prices the steps of a larger --max-num-batched-tokens too.
+    step_tokens: int = 2048
     decode_steps: int = 5  # output tokens per decode-batch request: its prefill step, then decode steps
     repeats: int = 2
     max_seconds: float = 300.0  # the design stops early (keeping what it has) past this
@@ -122,12 +122,10 @@ def calibrate(
                   max((cached + new + 1 for cached, new in design.followups), default=0))
     # Room for the largest decode batch at once (max_batch_tokens at float32's 46 KB a token on the
     # default model: 0.25 GiB held 22 of batch 32's 256-token sequences).
-    # The design's own step budget, whatever the server's default: its decode batches' prefill steps
-    # reach 2048 tokens, so a profile prices the steps of a larger --max-num-batched-tokens too.
     config = EngineConfig(
         dtype=dtype, device=device, enable_prefix_caching=True, kv_cache_memory_gib=0.5,
         max_model_len=min(model_config.max_position_embeddings, max(longest, 1024)),
-        max_num_batched_tokens=CALIBRATION_STEP_TOKENS,
+        max_num_batched_tokens=design.step_tokens,
     )
     core = build_engine_core(config, model_dir)
     runner = core.runner
