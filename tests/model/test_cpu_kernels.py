@@ -186,3 +186,22 @@ def test_rotary_bf16_is_bit_identical_to_the_reference(tokens: int) -> None:
     assert torch.equal(got_q.reshape(tokens, heads, head_dim), want_q)
     assert torch.equal(got_k.reshape(tokens, kv_heads, head_dim), want_k)
     assert torch.equal(got_v, qkv[:, (heads + kv_heads) * head_dim :])  # values untouched
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 49152), (32, 49152), (7, 49155), (3, 5), (2, 17), (5, 16)])
+def test_argmax_rows_is_torchs_max_index_first_on_ties(dtype: torch.dtype, rows: int, cols: int) -> None:
+    """The greedy sampler's argmax: torch's index, the first of equal maxima, over a column slice of
+    padded rows (as the sampler slices a padded vocabulary away), rows shorter than a vector included."""
+    generator = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols + 64, generator=generator).to(dtype)[:, :cols]
+    best = x.max(dim=-1).indices
+    for r in range(rows):  # a tie after the maximum, and one before it in another row
+        x[r, (best[r] + 3 + r) % cols] = x[r, best[r]]
+    ours = kernels.argmax_rows(x)
+    if ours is None:
+        pytest.skip("this build has no vector argmax (torch's is used)")
+    assert torch.equal(ours, x.max(dim=-1).indices)
+    x[0] = float("-inf")  # a fully masked row: index 0, as torch
+    assert kernels.argmax_rows(x)[0].item() == 0 == x.max(dim=-1).indices[0].item()

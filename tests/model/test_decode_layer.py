@@ -48,14 +48,15 @@ def _decode_step(config: ModelConfig, rows: int, generator: torch.Generator):
     """x, positions, a filled KV cache, and the step's metadata: `rows` sequences of different lengths
     in scattered blocks, each decoding one token."""
     lens = [int(n) for n in torch.randint(1, 200, (rows,), generator=generator)]
-    blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    num_blocks = max(NUM_BLOCKS, 13 * rows)  # each row's up to 199 tokens in blocks of its own
+    blocks = torch.randperm(num_blocks, generator=generator).tolist()
     width = max(-(-n // BLOCK_SIZE) for n in lens)
     tables, slots = [], []
     for n in lens:
         own = [blocks.pop() for _ in range(-(-n // BLOCK_SIZE))]
         tables.append(own + [0] * (width - len(own)))
         slots.append(own[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
-    kv = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim, generator=generator)
+    kv = torch.randn(2, num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim, generator=generator)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decode_tokens=rows, decode_block_tables=torch.tensor(tables),
         decode_context_lens=torch.tensor(lens), max_decode_context_len=max(lens),
@@ -182,7 +183,10 @@ def _packed_bf16_layer(config: ModelConfig, generator: torch.Generator) -> Llama
 
 @needs_kernels
 @pytest.mark.skipif(not cpu_kernels.cpu_has_native_bf16(), reason="oneDNN packs bfloat16 weights only on native-bf16 CPUs")
-@pytest.mark.parametrize("rows", sorted({1, 2, small_batch_rows(), small_batch_rows() + 3}))
+# 13 and 33 rows: the streaming linear's many-row path, with row tiles of unequal sizes. Past
+# small_batch_rows() (AMX only: it is the one-call layer's limit elsewhere) the torch layer takes oneDNN.
+@pytest.mark.parametrize("rows", sorted({1, 2, 13, 33, small_batch_rows(),
+                                         min(small_batch_rows() + 3, cpu_kernels.DECODE_LAYER_MAX_ROWS)}))
 @pytest.mark.parametrize("shape", [(576, 1536, 9, 3, 64), (100, 70, 4, 2, 24)])
 def test_bfloat16_fused_layer_is_the_torch_layer_bit_for_bit(rows: int, shape: tuple[int, ...]) -> None:
     """A bfloat16 model's one-call layer calls the kernels its per-operator path calls at a few rows

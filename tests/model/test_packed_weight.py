@@ -34,7 +34,7 @@ def test_packed_layout_is_found_and_reads_back_exactly(n: int, k: int) -> None:
 @needs_packing
 @needs_kernels
 @pytest.mark.parametrize(("n", "k"), SHAPES[:4])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 31, 64])  # from 12 rows: the many-row path
 def test_blocked_kernel_matches_the_float_product(n: int, k: int, rows: int) -> None:
     generator = torch.Generator().manual_seed(rows * n + k)
     weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)

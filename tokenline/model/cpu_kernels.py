@@ -124,6 +124,8 @@ class CpuKernels:
         lib.tl_prefill_attention_bf16.restype = ctypes.c_int
         lib.tl_silu_mul_bf16.argtypes = [_P, _P, _I, _I]
         lib.tl_silu_mul_bf16.restype = None
+        lib.tl_argmax_rows.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P]
+        lib.tl_argmax_rows.restype = ctypes.c_int
         self._lib = lib
         self.path = path
         self.has_avx512bf16 = bool(lib.tl_has_avx512bf16())
@@ -208,6 +210,17 @@ class CpuKernels:
         self._lib.tl_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0,
                                    width)
         return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's index of its largest value, the first on ties (``x.max(-1).indices``), of 2-D
+        float32 or bfloat16 rows without NaN whose columns are contiguous (a column slice is fine);
+        None where this build has no vector path for it (torch's then)."""
+        if x.dim() != 2 or x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or x.stride(1) != 1 or x.shape[1] == 0:
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        done = self._lib.tl_argmax_rows(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                        out.data_ptr())
+        return out if done else None
 
     def rotary_bf16_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
                      sin: torch.Tensor) -> None:

@@ -26,11 +26,12 @@ from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, qu
 
 @functools.cache
 def small_batch_rows() -> int:
-    """Up to this many rows (decode batches) our streaming kernel beats oneDNN on CPU bfloat16: 2
-    where oneDNN multiplies on AMX tiles (the developers' machine), 8 on AVX512-BF16 without AMX
-    (2 threads, the default model's shapes: 0.4-0.9x oneDNN's time up to 8 rows, 0.9-1.1x from 16;
-    README, "Dispatch at small batches")."""
-    return 2 if cpu_kernels.cpu_has_amx() else 8
+    """Up to this many rows (decode batches, short prefill chunks, the LM head's sampled rows) our
+    streaming kernel serves a packed bfloat16 weight on CPU: 2 where oneDNN multiplies on AMX tiles
+    (the developers' machine); on AVX512-BF16 without AMX, up to the one-call layer's 64, where it
+    beats oneDNN at every row count (2 threads, the default model's shapes: the layer's linears
+    0.7x oneDNN's time at 16-64 rows, the 49152-row head 0.7-0.75x; README, "Many rows")."""
+    return 2 if cpu_kernels.cpu_has_amx() else cpu_kernels.DECODE_LAYER_MAX_ROWS
 
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.
 PACKED_BATCH_HINT = 32

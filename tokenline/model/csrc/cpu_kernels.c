@@ -1109,7 +1109,8 @@ static inline __m512 round512_bf16(__m512 v) {
  * One pass instead of silu over a strided half (slow in torch) and a multiply. The same bits as torch
  * for gates above about -87 (below, torch's exp(-x) overflows and it returns -0; this the tiny value). */
 void tl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I > 65536)
+    /* Threads from 16k outputs: a 32-row step of the default model (49k) ran it on one core before. */
+#pragma omp parallel for schedule(static) if (T * I >= 16384)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
         uint16_t *o = out + t * I;
@@ -1133,6 +1134,51 @@ void tl_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t
             o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu)) * bf16_to_f32(u[i]));
         }
     }
+}
+
+/* Index of each row's largest value, the first on ties (as torch's max and argmax): rows [rows, cols]
+ * of float32 or bfloat16 (dtype), `stride` elements apart; rows must hold no NaN. The greedy sampler's
+ * pass over a step's logits, ~1.4 ms in torch at 32 x 49152 bfloat16. Each lane keeps the first index
+ * of its own maximum; the lanes' equal maxima then give the smallest index. Returns 0 (nothing done)
+ * where the build has no AVX-512: torch's max is vectorized there. */
+int tl_argmax_rows(int dtype, const void *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
+#if defined(__AVX512F__)
+    const int64_t elem = dtype == TL_BFLOAT16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *row = (const char *)x + r * stride * elem;
+        int64_t i = 0, best_i = 0;
+        float best = -INFINITY;
+        if (cols >= 16) {
+            __m512 vmax = load16(row, 0, dtype);
+            __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            __m512i cur = vidx;
+            const __m512i step = _mm512_set1_epi32(16);
+            for (i = 16; i + 16 <= cols; i += 16) {
+                cur = _mm512_add_epi32(cur, step);
+                const __m512 v = load16(row, i, dtype);
+                const __mmask16 greater = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+                vmax = _mm512_mask_mov_ps(vmax, greater, v);
+                vidx = _mm512_mask_mov_epi32(vidx, greater, cur);
+            }
+            best = _mm512_reduce_max_ps(vmax);
+            const __mmask16 at_best = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(best), _CMP_EQ_OQ);
+            best_i = _mm512_mask_reduce_min_epi32(at_best, vidx);
+        }
+        for (; i < cols; i++) { /* the tail: later indices, so only a strictly larger value wins */
+            const float v = dtype == TL_BFLOAT16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+            if (v > best || (i == 0 && cols < 16)) {
+                best = v;
+                best_i = i;
+            }
+        }
+        out[r] = best_i;
+    }
+    return 1;
+#else
+    (void)dtype, (void)x, (void)rows, (void)cols, (void)stride, (void)out;
+    return 0;
+#endif
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1255,8 +1301,130 @@ static inline __attribute__((always_inline)) void blocked_tile_avx512(const uint
     }
 #endif
 
+#if defined(__AVX512BF16__)
+/* The many-row path. Rows go in balanced register tiles of at most TL_BLOCKED_TILE_ROWS (6 rows x 4
+ * column vectors = 24 accumulators, beside 4 weight vectors and a broadcast in AVX-512's 32
+ * registers), each accumulator one dpbf16 chain over the inputs in order, so a row's outputs do not
+ * depend on the tile it falls in. */
+#define TL_BLOCKED_TILE_ROWS 6
+#define TL_BLOCKED_MANY_ROWS 12 /* from here the many-row path; below, one weight pass serves all rows */
+
+/* Rows m0 .. m0 + MT of y, column vectors V0 .. V0 + NV of one column block (tile: the block's
+ * [pairs][NB][2] values), over every input; meanwhile prefetches pf_lines cache lines from pf into L2,
+ * spread over the pairs. */
+static inline __attribute__((always_inline)) void blocked_rows_avx512(const uint16_t *x, const uint16_t *tile,
+                                                                      uint16_t *y, const int MT, const int NV,
+                                                                      const int V0, int64_t m0, int64_t n_base,
+                                                                      int64_t NB, int64_t N, int64_t K,
+                                                                      const char *pf, int64_t pf_lines) {
+    __m512 acc[TL_BLOCKED_TILE_ROWS][4];
+    for (int r = 0; r < MT; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    const uint16_t *xr[TL_BLOCKED_TILE_ROWS];
+    for (int r = 0; r < MT; r++) xr[r] = x + (m0 + r) * K;
+    const uint16_t *t = tile + V0 * 32;
+    const int64_t pairs = (K + 1) / 2;
+    const int64_t pf_per_pair = (pf_lines + pairs - 1) / pairs;
+    for (int64_t q = 0; q < pairs; q++) {
+        for (int64_t l = q * pf_per_pair; l < (q + 1) * pf_per_pair && l < pf_lines; l++)
+            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        __m512bh wv[4];
+        for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512(t + q * NB * 2 + v * 32);
+        for (int r = 0; r < MT; r++) {
+            uint32_t pair;
+            if (2 * q + 1 < K) {
+                memcpy(&pair, xr[r] + 2 * q, sizeof pair); /* one broadcast load */
+            } else {
+                pair = xr[r][2 * q]; /* odd K: the padding input's weight is 0, its x must be too */
+            }
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xv);
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        for (int v = 0; v < NV; v++) {
+            const int64_t n0 = n_base + (V0 + v) * 16;
+            if (n0 >= N) continue;
+            const int64_t count = N - n0 < 16 ? N - n0 : 16;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[r][v]);
+            _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, (__mmask16)((1u << count) - 1u), out);
+        }
+}
+
+#define TL_ROWS_TILE(MT_, NV_, V0_) \
+    blocked_rows_avx512(x, tile, y, MT_, NV_, V0_, m0, jb * NB, NB, N, K, pf, pf_lines)
+#define TL_ROWS_BY_MT(NV_, V0_)                                                                          \
+    switch (mt) {                                                                                        \
+    case 6: TL_ROWS_TILE(6, NV_, V0_); break;                                                            \
+    case 5: TL_ROWS_TILE(5, NV_, V0_); break;                                                            \
+    case 4: TL_ROWS_TILE(4, NV_, V0_); break;                                                            \
+    case 3: TL_ROWS_TILE(3, NV_, V0_); break;                                                            \
+    case 2: TL_ROWS_TILE(2, NV_, V0_); break;                                                            \
+    default: TL_ROWS_TILE(1, NV_, V0_); break;                                                           \
+    }
+
+/* Many rows (M >= TL_BLOCKED_MANY_ROWS, NB 16, 32 or 64). Each thread takes an even share of the
+ * 16-column vectors, not of whole blocks: a 9-block projection (hidden 576) otherwise leaves one of two
+ * threads a block behind, and a thread's part of a shared block reads only its own cache lines of each
+ * pair. Each row tile's pass over a block prefetches its share of the thread's next block into L2, so
+ * the weights' DRAM stream is spread over all the passes instead of stalling the first (the default
+ * model's gate|up at 32 rows, 2 threads: 0.86x the time; README "Dispatch at small batches"). */
+static void linear_bf16_blocked_many(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
+                                     int64_t K, int64_t NB, int64_t P) {
+    const int64_t per_block = NB / 16;
+    const int64_t tile_values = (K + 2 * P - 1) / (2 * P) * P * NB * 2;
+    const int64_t tile_lines = tile_values * (int64_t)sizeof(uint16_t) / 64;
+    const int64_t vectors = (N + 15) / 16;
+    const int64_t groups = (M + TL_BLOCKED_TILE_ROWS - 1) / TL_BLOCKED_TILE_ROWS;
+    const int64_t lines_per_pass = (tile_lines + groups - 1) / groups;
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t v_end = vectors * (id + 1) / threads;
+        for (int64_t v = vectors * id / threads; v < v_end;) {
+            const int64_t jb = v / per_block, lo = v % per_block;
+            const int64_t hi = (jb + 1) * per_block <= v_end ? per_block : v_end - jb * per_block;
+            const uint16_t *tile = w + jb * tile_values;
+            const int has_next = (jb + 1) * per_block < v_end;
+            const int nv = (int)(hi - lo);
+            for (int64_t m0 = 0, g = 0; m0 < M; g++) {
+                const int64_t mt = (M - m0 + (groups - g) - 1) / (groups - g);
+                const int64_t first = g * lines_per_pass;
+                const int64_t left = tile_lines - first;
+                const int64_t pf_lines = !has_next || left <= 0 ? 0 : left < lines_per_pass ? left : lines_per_pass;
+                const char *pf = (const char *)(tile + tile_values) + first * 64;
+                if (nv == 4) {
+                    TL_ROWS_BY_MT(4, 0)
+                } else if (nv == 3) {
+                    if (lo == 0) { TL_ROWS_BY_MT(3, 0) } else { TL_ROWS_BY_MT(3, 1) }
+                } else if (nv == 2) {
+                    if (lo == 0) { TL_ROWS_BY_MT(2, 0) } else if (lo == 1) { TL_ROWS_BY_MT(2, 1) } else { TL_ROWS_BY_MT(2, 2) }
+                } else {
+                    switch (lo) {
+                    case 0: TL_ROWS_BY_MT(1, 0) break;
+                    case 1: TL_ROWS_BY_MT(1, 1) break;
+                    case 2: TL_ROWS_BY_MT(1, 2) break;
+                    default: TL_ROWS_BY_MT(1, 3) break;
+                    }
+                }
+                m0 += mt;
+            }
+            v = jb * per_block + hi;
+        }
+    }
+}
+#undef TL_ROWS_BY_MT
+#undef TL_ROWS_TILE
+#endif
+
 void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K,
                             int64_t NB, int64_t P) {
+#if defined(__AVX512BF16__)
+    if (M >= TL_BLOCKED_MANY_ROWS && (NB == 16 || NB == 32 || NB == 64)) {
+        linear_bf16_blocked_many(x, w, y, M, N, K, NB, P);
+        return;
+    }
+#endif
     const int64_t kblocks = (K + 2 * P - 1) / (2 * P);
     const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
