@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -55,12 +54,7 @@ DEFAULT_BASELINE = "80198e2"  # the previous round's kernel (1.27 ms a layer at 
 def old_kernels(rev: str) -> cpu_kernels.CpuKernels | None:
     """The decode-attention kernel of C source at git revision ``rev``, or None without git/compiler."""
     try:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:tokenline/model/csrc/cpu_kernels.c"],
-                                check=True, capture_output=True, text=True).stdout
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "cpu_kernels.c"
-            path.write_text(source)
-            library = cpu_kernels.build(source=path)
+        library, source = cpu_kernels.build_revision(rev)
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"no baseline kernel ({rev}): {exc}", file=sys.stderr)
         return None

@@ -23,7 +23,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,16 +36,12 @@ from tokenline.model import cpu_kernels
 from tokenline.model.layers import PACKED_BATCH_HINT
 from tokenline.model.packed_weight import PackedWeight, pack
 
+from linears import layer_shapes  # noqa: E402  (bench/, this script's own directory)
+
 DEFAULT_BASELINE = "5b1cae3"  # before the many-row path (one thread per whole column block, 4-row tiles)
 VOCAB = 49152
 
 Linear = Callable[[torch.Tensor, PackedWeight, torch.Tensor], None]
-
-
-def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
-    """(out, in) of a Llama layer's projections as the model merges them."""
-    return [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * intermediate, hidden),
-            (hidden, intermediate)]
 
 
 def blocked_linear(library: Path) -> Linear:
@@ -66,12 +61,7 @@ def blocked_linear(library: Path) -> Linear:
 
 def old_library(rev: str) -> Path | None:
     try:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:tokenline/model/csrc/cpu_kernels.c"],
-                                check=True, capture_output=True, text=True).stdout
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "cpu_kernels.c"
-            path.write_text(source)
-            return cpu_kernels.build(source=path)
+        return cpu_kernels.build_revision(rev)[0]
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"no baseline kernel ({rev}): {exc}", file=sys.stderr)
         return None

@@ -90,6 +90,19 @@ def build(compiler: str | None = None, source: Path = SOURCE, extra_flags: tuple
     return target
 
 
+def build_revision(rev: str) -> tuple[Path, str]:
+    """The kernels' C source at git revision ``rev`` of this checkout, built (benchmarks time an older
+    kernel beside this one): the library and that source. Raises OSError or CalledProcessError
+    without git, the revision or a compiler."""
+    root = SOURCE.parents[3]
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{SOURCE.relative_to(root).as_posix()}"],
+                            check=True, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / SOURCE.name
+        path.write_text(source)
+        return build(source=path), source
+
+
 class CpuKernels:
     """Typed wrappers over the compiled library; inputs are checked, outputs freshly allocated."""
 
