@@ -4,6 +4,7 @@ straight from SQLite, a process's resident memory. Servers come from tests/e2e/c
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ class StreamResult:
     def parse(self) -> None:
         """Split the body into its ``data:`` payloads; raises UnicodeDecodeError on invalid UTF-8."""
         text = self.body.decode("utf-8", errors="strict")
-        self.events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+        # SSE lines end at CR, LF or CRLF only: str.splitlines() would also cut at U+2028, U+2029 or
+        # U+0085, which JSON carries raw inside a string (a model may well emit them).
+        self.events = [line[len("data: "):] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
 
 
 def async_client(connections: int) -> httpx.AsyncClient:
