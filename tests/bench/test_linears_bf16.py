@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
                     reason="needs the CPU kernels and native bf16 (oneDNN's packed bf16 weights)")
 def test_a_small_run_reports_every_path_and_the_same_bits(tmp_path: Path) -> None:
     out = tmp_path / "linears.json"
-    # 12 rows: the new kernel's many-row path, which gives the old one's bits where rows come in fours.
+    # 12 rows: the new kernel's many-row path, which gives the old one's bits where rows come in fours
+    # and oneDNN packs 64-column blocks (AMD Zen 4 here); with 32 (Sapphire Rapids) they differ by rounding.
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "linears_bf16.py"), "--rows", "1", "12", "--layers", "2",
                           "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=600, check=True)
     report = json.loads(out.read_text())
@@ -26,5 +27,9 @@ def test_a_small_run_reports_every_path_and_the_same_bits(tmp_path: Path) -> Non
     for row in report["rows"]:
         assert set(row["layer_s"]) >= {"new", "onednn"} and all(t > 0 for t in row["layer_s"].values())
         if "old" in row["layer_s"]:  # a clone with the baseline revision in its history
-            assert row["same_bits"] is True
+            if row["bits_expected_same"]:
+                assert row["same_bits"] is True
+            assert row["max_rel_diff"] <= 2.0 ** -7  # at most about one bf16 rounding apart
+            if row["rows"] == 1:
+                assert row["bits_expected_same"] is True
     assert "| 12 |" in run.stdout
