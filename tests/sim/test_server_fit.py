@@ -61,3 +61,17 @@ def test_the_simulator_runs_steps_at_the_servers_scale_and_overhead() -> None:
     r = simulate(served, config)
     assert r.itl_ms["p50"] == pytest.approx(1.5 * 8.0 + 1.0)
     assert r.ttft_ms["p50"] == pytest.approx(20.0 + 1.5 * 5.0 + 1.0)
+
+
+def test_fit_holds_when_slow_outliers_pull_the_first_pass_off_the_bulk() -> None:
+    # A calibration server's steps on a Sapphire Rapids box: many tight decode steps and a few long
+    # prefills that ran 10-40 % slow. Their pull on the first least-squares pass left the decode
+    # steps' residuals all below zero; outliers measured from zero instead of the median then left
+    # 3 steps of 125 and fitted k = 0, g = 44 ms.
+    rng = random.Random(5)
+    decode = [StepFeatures(0, 1, 100)] * 60 + [StepFeatures(0, 6, 600)] * 30 + [StepFeatures(0, 16, 4200)] * 30
+    steps = [(f, MODEL.predict(f) * (1 + rng.gauss(0, 0.004))) for f in decode]
+    steps += [(StepFeatures(480, 1, 577), MODEL.predict(StepFeatures(480, 1, 577)) * rng.uniform(1.2, 1.4))
+              for _ in range(6)]
+    k, g = fit_scale_and_overhead(MODEL, steps)
+    assert k == pytest.approx(1.0, abs=0.02) and g < 0.002

@@ -87,12 +87,15 @@ def busy_steps(records: Sequence[dict[str, Any]]) -> list[tuple[StepFeatures, fl
 
 
 def fit_scale_and_overhead(model: StepModel, steps: Sequence[tuple[StepFeatures, float]]) -> tuple[float, float]:
-    """wall = k · model(f) + g by ``robust_lstsq`` (k, g >= 0; steps another process slowed left out)."""
+    """wall = k · model(f) + g by ``robust_lstsq`` over relative errors, as the step model is fitted
+    (k, g >= 0; steps another process slowed left out)."""
     if len(steps) < 2:
         raise ValueError(f"need at least 2 busy server steps to fit, got {len(steps)}")
     pred = np.array([model.predict(f) for f, _ in steps])
     wall = np.array([w for _, w in steps])
-    (k, g), _ = robust_lstsq(np.stack([pred, np.ones_like(pred)], axis=1), wall)
+    # In absolute terms the few long prefill steps would set k and their spread the outlier band.
+    weight = 1.0 / np.maximum(wall, 1e-3)
+    (k, g), _ = robust_lstsq(np.stack([pred, np.ones_like(pred)], axis=1) * weight[:, None], wall * weight)
     return float(k), float(g)
 
 
