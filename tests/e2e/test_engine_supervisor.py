@@ -184,9 +184,15 @@ def test_server_killed_under_load_leaves_interrupted_rows(tmp_path: Path) -> Non
         assert all(out[i][-1] == "[DONE]" for i in short), out
         long = [f"long-{i}" for i in range(3)]
         _, out_long = start_streams(server, long, LONG)
-        # Long enough for the journal to record tokens produced (once a second per request).
         assert wait_until(lambda: all(tokens_seen(out_long.get(i, [])) >= 3 for i in long), timeout=60)
-        time.sleep(1.5)
+
+        # The journal records tokens produced once a second per request: kill once every long row
+        # holds some (a fixed sleep raced a loaded CI box and killed before long-0's first update).
+        def journaled() -> bool:
+            rows = ledger_rows(db)
+            return all(i in rows and rows[i]["completion_tokens"] > 0 for i in long)
+
+        assert wait_until(journaled, timeout=30), ledger_rows(db)
         server.process.kill()
         server.process.wait(timeout=10)
         try:

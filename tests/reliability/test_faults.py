@@ -157,8 +157,14 @@ def test_server_killed_under_load_leaves_every_request_in_the_ledger(tmp_path: P
             assert response.status_code == 200, response.text
             finished[request_id] = response.json()["usage"]["completion_tokens"]
         assert wait_until(lambda: streams.all_streaming(at_least=3), timeout=120)
-        # The journal writes tokens produced about once a second: give it a beat, as any crash would.
-        time.sleep(1.5)
+        # The journal writes tokens produced about once a second: kill once every stream's row
+        # holds some (a fixed beat raced a loaded CI box in the test of the same kill in tests/e2e).
+        def journaled() -> dict[str, int]:
+            with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
+                return dict(conn.execute("SELECT request_id, completion_tokens FROM usage "
+                                         "WHERE request_id LIKE 'rel-crash-%' AND status = 'in_flight'").fetchall())
+
+        assert wait_until(lambda: all(journaled().get(i, 0) > 0 for i in in_flight), timeout=30), journaled()
         server.process.kill()
         server.process.wait(timeout=10)
         try:
