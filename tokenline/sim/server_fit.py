@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 from tokenline.bench.serve import BenchServeConfig, BenchServeReport, ServerNotReady, run_bench_serve, wait_healthy
-from tokenline.sim.step_model import StepFeatures, StepModel, robust_lstsq
+from tokenline.sim.step_model import StepFeatures, StepModel, relative_weight, robust_lstsq
 
 BUSY_GAP_S = 0.05  # a longer gap before the next step: the engine was idle, waiting for a request
 # The least per-request overhead a fit gives. The API process hands requests to the engine one at a
@@ -94,7 +94,7 @@ def fit_scale_and_overhead(model: StepModel, steps: Sequence[tuple[StepFeatures,
     pred = np.array([model.predict(f) for f, _ in steps])
     wall = np.array([w for _, w in steps])
     # In absolute terms the few long prefill steps would set k and their spread the outlier band.
-    weight = 1.0 / np.maximum(wall, 1e-3)
+    weight = relative_weight(wall)
     (k, g), _ = robust_lstsq(np.stack([pred, np.ones_like(pred)], axis=1) * weight[:, None], wall * weight)
     return float(k), float(g)
 

@@ -152,7 +152,7 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
     # Each step weighs by its relative error: in plain least squares the few multi-second prefill
     # steps set the price of the short ones (a 32-token prefill came out 24 % high on the Ice Lake
     # Xeon), and a simulation's TTFT at c=1 is one short step.
-    weight = 1.0 / np.maximum(y, 1e-3)
+    weight = relative_weight(y)
     coef, keep = robust_lstsq(x * weight[:, None], y * weight)
     residual = x @ coef - y
     relative = residual * weight
@@ -164,6 +164,12 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
     model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge, q, q_fused, b_fused,
                       rms_rel)
     return model, float(np.sqrt(np.mean(relative**2)))
+
+
+def relative_weight(seconds: np.ndarray) -> np.ndarray:
+    """Row weights that make least squares minimise relative error (a floor of 1 ms, so a
+    near-zero measurement cannot dominate): ``robust_lstsq(x * w[:, None], y * w)``."""
+    return 1.0 / np.maximum(seconds, 1e-3)
 
 
 def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
