@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
 from tokenline.model.config import ModelConfig
 from tokenline.model import cpu_kernels
+from tokenline.model.host_memory import return_freed_memory
 from tokenline.model.interface import CausalLM
 from tokenline.model.layers import prepare_for_inference
 from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
@@ -47,7 +47,7 @@ def load_model(
     _allocate(model, device, dtype)
     model.load_weights(iter_safetensors(model_dir))
     prepare_for_inference(model, quantization)
-    _return_freed_memory()
+    return_freed_memory()
     return model.eval()
 
 
@@ -62,12 +62,3 @@ def _allocate(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
         for name, buffer in module.named_buffers(recurse=False):
             target = dtype if buffer.is_floating_point() else buffer.dtype
             module._buffers[name] = torch.empty(buffer.shape, dtype=target, device=device)
-
-
-def _return_freed_memory() -> None:
-    """Give the heap pages freed while loading (checkpoint buffers, plain weights replaced by packed
-    ones) back to the OS; glibc keeps them resident otherwise. A no-op without glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
