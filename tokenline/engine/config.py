@@ -223,13 +223,10 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     from tokenline.engine.suffix_proposer import SuffixProposer
     from tokenline.model.config import ModelConfig
     from tokenline.model.grammar import GrammarCompiler
-    from tokenline.model.host_memory import retain_freed_memory
     from tokenline.model.loader import resolve_dtype
     from tokenline.model.runner import ModelRunner
 
     config.validate()
-    if config.device.split(":")[0] == "cpu":
-        retain_freed_memory()  # before the load: a step's activations are reused, not faulted in
     if config.seed is not None:
         import torch
 

@@ -39,7 +39,8 @@ def _libc() -> ctypes.CDLL | None:
 
 def retain_freed_memory() -> bool:
     """Make glibc keep freed activations for reuse (fixed mmap and trim thresholds, which also stop
-    its dynamic ones from moving). Call once, before the model loads. False where it did nothing:
+    its dynamic ones from moving). The loader calls it before a CPU model's first allocation; again
+    changes nothing. False where it did nothing:
     no glibc, or malloc tuned by the user or replaced through ``LD_PRELOAD``."""
     if "malloc" in os.environ.get("GLIBC_TUNABLES", "") or any(k in os.environ for k in _USER_SETTINGS):
         return False

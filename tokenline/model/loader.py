@@ -8,7 +8,7 @@ import torch
 
 from tokenline.model.config import ModelConfig
 from tokenline.model import cpu_kernels
-from tokenline.model.host_memory import return_freed_memory
+from tokenline.model.host_memory import retain_freed_memory, return_freed_memory
 from tokenline.model.interface import CausalLM
 from tokenline.model.layers import prepare_for_inference
 from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
@@ -44,6 +44,8 @@ def load_model(
         model = model_class(config.architecture)(config)
         if mtp:
             model.enable_mtp()
+    if device.type == "cpu":
+        retain_freed_memory()  # before the first allocation: a step's activations are reused, not re-faulted
     _allocate(model, device, dtype)
     model.load_weights(iter_safetensors(model_dir))
     prepare_for_inference(model, quantization)
