@@ -70,14 +70,16 @@ def run_streams(url: str, bodies: dict[str, dict[str, Any]]) -> list[StreamResul
     return asyncio.run(main())
 
 
-def ledger_rows(db_path: Path, request_id_like: str) -> list[dict[str, Any]]:
-    """Rows of the server's usage ledger whose request id matches a LIKE pattern."""
+def ledger_rows(db_path: Path, request_id_like: str, in_flight: bool = False) -> list[dict[str, Any]]:
+    """Rows of the server's usage ledger whose request id matches a LIKE pattern: the completed ones,
+    or with ``in_flight`` the journaled rows of requests still running."""
     if not db_path.exists():
         return []
     with closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=10)) as db:
         db.row_factory = sqlite3.Row
-        # A journaled row still in flight is not a receipt yet: only completed rows count.
-        rows = db.execute("SELECT * FROM usage WHERE request_id LIKE ? AND status != 'in_flight' ORDER BY id",
+        # A journaled row still in flight is not a receipt yet: by default only completed rows count.
+        status = "status = 'in_flight'" if in_flight else "status != 'in_flight'"
+        rows = db.execute(f"SELECT * FROM usage WHERE request_id LIKE ? AND {status} ORDER BY id",
                           (request_id_like,)).fetchall()
     return [dict(r) for r in rows]
 

@@ -160,9 +160,7 @@ def test_server_killed_under_load_leaves_every_request_in_the_ledger(tmp_path: P
         # The journal writes tokens produced about once a second: kill once every stream's row
         # holds some (a fixed beat raced a loaded CI box in the test of the same kill in tests/e2e).
         def journaled() -> dict[str, int]:
-            with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
-                return dict(conn.execute("SELECT request_id, completion_tokens FROM usage "
-                                         "WHERE request_id LIKE 'rel-crash-%' AND status = 'in_flight'").fetchall())
+            return {r["request_id"]: r["completion_tokens"] for r in ledger_rows(db, "rel-crash-%", in_flight=True)}
 
         assert wait_until(lambda: all(journaled().get(i, 0) > 0 for i in in_flight), timeout=30), journaled()
         server.process.kill()
