@@ -238,6 +238,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
                                "marked interrupted", recovered)
         client.start()
         logger.info("engine %s loading %s", getattr(client, "pid", None) or type(client).__name__, model_dir)
+        # While the engine loads: else the first chat after a start waited ~0.1 s for the tokenizer's
+        # user-text copy, long enough for a burst sent with it to catch up and share its first step.
+        for name, error in (await asyncio.to_thread(tokenizer.warm_up)).items():
+            logger.warning("chat template %r: %s; chats that need it will be refused", name, error)
         if keys is not None and settings.keys_file and threading.current_thread() is threading.main_thread():
             # Signals reach only the main thread (an app embedded in a thread reloads by POST).
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
