@@ -1,17 +1,18 @@
 """The ``EngineClient`` of an engine running in a child process of this one (the server's default).
 
-The engine process is spawned (never forked) and talks to us over two pipes; two threads move
-messages so that a blocking pipe never stalls the event loop. Each start makes a new process,
-pipes and threads (a restart after a death calls ``start`` again); what the threads of an older,
-dead engine still report is dropped, so a late EOF can never kill its successor.
+The engine process is spawned (never forked) and talks to us over two pipes. The event loop writes
+requests and aborts itself, on a non-blocking pipe (``PipeWriter``: the engine has a request the
+moment it is handed over, never after a thread's wait for the GIL); a reader thread blocks on the
+other pipe and hands what arrives to the loop. Each start makes a new process, pipes and reader
+(a restart after a death calls ``start`` again); what the reader of an older, dead engine still
+reports is dropped, so a late EOF can never kill its successor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import queue
 import logging
+import multiprocessing
 import threading
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tokenline.engine.messages import (
     Shutdown,
     StepOutputs,
 )
+from tokenline.engine.pipe_writer import PipeWriter
 
 logger = logging.getLogger("tokenline.engine")
 
@@ -43,7 +45,7 @@ class EngineProcessClient(EngineClient):
         self.config = config
         self.model_dir = model_dir
         self.vocab_size = vocab_size
-        self._outbox: queue.Queue[object] = queue.Queue()
+        self._writer: PipeWriter | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -54,8 +56,8 @@ class EngineProcessClient(EngineClient):
         from tokenline.engine.core_process import run_engine_process
 
         self._loop = asyncio.get_running_loop()
-        self._outbox.put(None)  # stops the writer of a previous (dead) engine, if any
-        self._outbox = outbox = queue.Queue()
+        if self._writer is not None:
+            self._writer.close()  # a previous (dead) engine's pipe
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
         from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
@@ -70,8 +72,8 @@ class EngineProcessClient(EngineClient):
         to_engine_r.close()
         from_engine_w.close()
         process = self._process
+        self._writer = PipeWriter(to_engine_w, self._loop)
         threading.Thread(target=self._read, args=(from_engine_r, process), name="engine-reader", daemon=True).start()
-        threading.Thread(target=self._write, args=(to_engine_w, outbox), name="engine-writer", daemon=True).start()
 
     async def _reap(self) -> None:
         process = self._process
@@ -89,8 +91,9 @@ class EngineProcessClient(EngineClient):
             self._supervisor.cancel()  # no restart while we stop
         if self._process is None:
             return
-        self._outbox.put(Shutdown())
-        self._outbox.put(None)
+        if self._writer is not None:
+            self._writer.send(Shutdown())
+            self._writer.close()  # once the message is out
         process = self._process
         await asyncio.to_thread(process.join, timeout)
         if process.is_alive():
@@ -106,21 +109,18 @@ class EngineProcessClient(EngineClient):
     # --- the transport -------------------------------------------------------------------------
 
     def _submit(self, request: EngineRequest) -> None:
-        self._outbox.put(AddRequest(request))
+        self._send(AddRequest(request))
 
     def _cancel(self, request_id: str) -> None:
-        self._outbox.put(AbortRequest(request_id))
+        self._send(AbortRequest(request_id))
+
+    def _send(self, message: object) -> None:
+        if self._writer is None:
+            raise RuntimeError("the engine process was never started")
+        self._writer.send(message)
 
     def _transport_alive(self) -> bool:
         return self._process is not None and self._process.is_alive()
-
-    def _write(self, conn: object, outbox: queue.Queue[object]) -> None:
-        # Pipe writes can block while the engine is mid-step; never let that stall the event loop.
-        while (message := outbox.get()) is not None:
-            try:
-                conn.send(message)  # type: ignore[attr-defined]
-            except (BrokenPipeError, OSError):
-                return
 
     def _read(self, conn: object, process: multiprocessing.process.BaseProcess) -> None:
         loop = self._loop
