@@ -57,14 +57,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def read_steps(url: str, out: list[dict], stop: threading.Event) -> None:
+def read_events(url: str, steps: list[dict], requests: list[dict], stop: threading.Event) -> None:
+    """The server's step records, and its requests' stages (when each reached the engine: the
+    arrivals a simulation takes one at a time), from ``GET /v1/events``."""
     with httpx.stream("GET", f"{url}/v1/events", timeout=30) as response:
         kind = None
         for line in response.iter_lines():
             if line.startswith("event: "):
                 kind = line[7:]
-            elif line.startswith("data: ") and kind == "step":
-                out.append(json.loads(line[6:]))
+            elif line.startswith("data: ") and kind in ("step", "request"):
+                (steps if kind == "step" else requests).append(json.loads(line[6:]))
             if stop.is_set():
                 return
 
@@ -134,6 +136,7 @@ class Pair:
     at_speed: dict
     decode_speed: float
     prefill_speed: float
+    first_step_seqs: int  # requests in the real run's first step (the simulator takes the first alone)
 
     def row(self) -> str:
         cells = [self.workload.label(), str(self.repeat), f"{self.load:.1f}"]
@@ -146,7 +149,8 @@ class Pair:
 def compare(profile: Profile, workload: Workload, real: dict, steps: list[dict], load: float, repeat: int) -> Pair:
     sim = workload.simulate(profile, real["seed"])
     adj, decode_speed, prefill_speed = at_run_speed(profile, workload, real["seed"], steps)
-    return Pair(workload, repeat, load, real, sim, adj, decode_speed, prefill_speed)
+    first = min(steps, key=lambda r: r["start"])["num_seqs"] if steps else 0
+    return Pair(workload, repeat, load, real, sim, adj, decode_speed, prefill_speed, first)
 
 
 def within(errors: list[float], bound: float = 0.10) -> str:
@@ -157,7 +161,7 @@ def within(errors: list[float], bound: float = 0.10) -> str:
 
 
 def summary(pairs: list[Pair]) -> list[str]:
-    """The three counts the README quotes, over every p50 of every pair."""
+    """The three counts the README quotes, and how the real runs began, over every p50 of every pair."""
     def err(sim: dict, real: dict, k: str) -> float:
         return (sim[k] - real[k]) / real[k]
 
@@ -168,8 +172,14 @@ def summary(pairs: list[Pair]) -> list[str]:
         by_workload.setdefault(p.workload.label(), []).append(p)
     mean = [(statistics.mean(p.sim[k] for p in ps) - statistics.mean(p.real[k] for p in ps))
             / statistics.mean(p.real[k] for p in ps) for ps in by_workload.values() for k in KEYS]
+    # The noise floor: a later real run of a workload against its first real run, as if it were the prediction.
+    real_vs_real = [err(p.real, ps[0].real, k) for ps in by_workload.values() for p in ps[1:] for k in KEYS]
+    alone = sum(p.first_step_seqs == 1 for p in pairs)
     return [f"as calibrated: {within(calibrated)}", f"against the repeats' mean: {within(mean)}",
-            f"at the runs' own speed: {within(own_speed)}"]
+            f"at the runs' own speed: {within(own_speed)}",
+            *([f"the real runs against their first repeat: {within(real_vs_real)}"] if real_vs_real else []),
+            f"first steps: {alone} of {len(pairs)} real runs began with one request alone, as the simulator does "
+            f"(the others: {', '.join(f'{p.workload.label()} #{p.repeat} {p.first_step_seqs}' for p in pairs if p.first_step_seqs != 1) or 'none'})"]
 
 
 def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[dict]) -> tuple[dict, float, float]:
@@ -225,8 +235,9 @@ def main() -> int:
                 seed += 1
                 tag = run_tag(spec, repeat)
                 steps: list[dict] = []
+                requests: list[dict] = []
                 stop = threading.Event()
-                reader = threading.Thread(target=read_steps, args=(url, steps, stop), daemon=True)
+                reader = threading.Thread(target=read_events, args=(url, steps, requests, stop), daemon=True)
                 reader.start()
                 time.sleep(0.5)
                 opts = [*workload.bench_args(), "--seed", str(seed)]
@@ -236,6 +247,7 @@ def main() -> int:
                 stop.set()
                 time.sleep(1.2)  # the last steps' events, and a stats tick that wakes the reader
                 (out / f"{tag}_steps.json").write_text(json.dumps(steps))
+                (out / f"{tag}_requests.json").write_text(json.dumps(requests))
                 (out / f"{tag}_load.json").write_text(json.dumps(load))
                 real = json.loads((out / f"{tag}_real.json").read_text())
                 pairs.append(compare(profile, workload, real, steps, load, repeat))
