@@ -50,7 +50,7 @@ from tokenline.engine.client import EngineClient, EngineDeadError, EngineRequest
 from tokenline.engine.messages import EngineOutput, TokenLogprobs
 from tokenline.frontend.processor import ChatParserFactory, InputProcessor
 from tokenline.frontend.request_state import RequestState, SequenceState, SequenceUpdate
-from tokenline.frontend.text_pool import TextWorkPool
+from tokenline.frontend.text_pool import INLINE_MAX_CHARS, TextWorkPool, text_size
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START, tool_call_grammar
 from tokenline.gateway.errors import APIError, shorten
@@ -345,7 +345,9 @@ class OpenAIServing:
         self.check_model(request.model)
         await self.gateway.screen_input(ctx, _message_texts(request.template_messages()), request.param_names["prompt"])
         use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
-        prompt_ids = await self.text_pool.run(self.render_chat, request, ctx)
+        # Tools render their schemas into the prompt: such a chat always goes to the pool.
+        size = INLINE_MAX_CHARS if request.tools else text_size(request.template_messages())
+        prompt_ids = await self.text_pool.run_sized(size, self.render_chat, request, ctx)
         self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
         tool_grammar = None
         if use_tools:
@@ -446,8 +448,9 @@ class OpenAIServing:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in request.prompts()]
             await self.gateway.screen_input(ctx, texts, "prompt")
         ctx.trace.mark("rendered")  # nothing to render for a text completion
-        prompts = await self.text_pool.run(
-            lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in request.prompts()]
+        prompts = await self.text_pool.run_sized(
+            text_size(request.prompts()),
+            lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in request.prompts()],
         )
         ctx.trace.mark("tokenized")
         for prompt_ids in prompts:
