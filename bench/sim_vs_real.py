@@ -137,6 +137,7 @@ class Pair:
     decode_speed: float
     prefill_speed: float
     first_step_seqs: int  # requests in the real run's first step (the simulator takes the first alone)
+    first_step_wait_ms: float | None  # from the first request's arrival at the server to the engine's first step
 
     def row(self) -> str:
         cells = [self.workload.label(), str(self.repeat), f"{self.load:.1f}"]
@@ -146,11 +147,15 @@ class Pair:
         return "| " + " | ".join(cells) + " |"
 
 
-def compare(profile: Profile, workload: Workload, real: dict, steps: list[dict], load: float, repeat: int) -> Pair:
+def compare(profile: Profile, workload: Workload, real: dict, steps: list[dict], load: float, repeat: int,
+            requests: list[dict] | None = None) -> Pair:
     sim = workload.simulate(profile, real["seed"])
     adj, decode_speed, prefill_speed = at_run_speed(profile, workload, real["seed"], steps)
-    first = min(steps, key=lambda r: r["start"])["num_seqs"] if steps else 0
-    return Pair(workload, repeat, load, real, sim, adj, decode_speed, prefill_speed, first)
+    first = min(steps, key=lambda r: r["start"]) if steps else None
+    arrived = [r["t"] for r in requests or [] if r["stage"] == "arrived"]
+    wait = (first["start"] - min(arrived)) * 1000 if first and arrived else None
+    return Pair(workload, repeat, load, real, sim, adj, decode_speed, prefill_speed,
+                first["num_seqs"] if first else 0, wait)
 
 
 def within(errors: list[float], bound: float = 0.10) -> str:
@@ -175,11 +180,14 @@ def summary(pairs: list[Pair]) -> list[str]:
     # The noise floor: a later real run of a workload against its first real run, as if it were the prediction.
     real_vs_real = [err(p.real, ps[0].real, k) for ps in by_workload.values() for p in ps[1:] for k in KEYS]
     alone = sum(p.first_step_seqs == 1 for p in pairs)
+    waits = sorted(p.first_step_wait_ms for p in pairs if p.first_step_wait_ms is not None)
     return [f"as calibrated: {within(calibrated)}", f"against the repeats' mean: {within(mean)}",
             f"at the runs' own speed: {within(own_speed)}",
             *([f"the real runs against their first repeat: {within(real_vs_real)}"] if real_vs_real else []),
             f"first steps: {alone} of {len(pairs)} real runs began with one request alone, as the simulator does "
-            f"(the others: {', '.join(f'{p.workload.label()} #{p.repeat} {p.first_step_seqs}' for p in pairs if p.first_step_seqs != 1) or 'none'})"]
+            f"(the others: {', '.join(f'{p.workload.label()} #{p.repeat} {p.first_step_seqs}' for p in pairs if p.first_step_seqs != 1) or 'none'})"
+            + (f"; the engine's first step started {statistics.median(waits):.1f} ms (median; {waits[0]:.1f} to "
+               f"{waits[-1]:.1f}) after the first request arrived" if waits else "")]
 
 
 def at_run_speed(profile: Profile, workload: Workload, seed: int, steps: list[dict]) -> tuple[dict, float, float]:
@@ -250,7 +258,7 @@ def main() -> int:
                 (out / f"{tag}_requests.json").write_text(json.dumps(requests))
                 (out / f"{tag}_load.json").write_text(json.dumps(load))
                 real = json.loads((out / f"{tag}_real.json").read_text())
-                pairs.append(compare(profile, workload, real, steps, load, repeat))
+                pairs.append(compare(profile, workload, real, steps, load, repeat, requests))
                 print(pairs[-1].row(), flush=True)
     finally:
         server.terminate()
@@ -282,7 +290,9 @@ def resimulate(profile: Profile, out: Path, repeats: int, specs: list[str]) -> i
             steps = json.loads((out / f"{tag}_steps.json").read_text())
             load_file = out / f"{tag}_load.json"
             load = json.loads(load_file.read_text()) if load_file.exists() else float("nan")
-            pairs.append(compare(profile, Workload.parse(spec), real, steps, load, repeat))
+            requests_file = out / f"{tag}_requests.json"
+            requests = json.loads(requests_file.read_text()) if requests_file.exists() else None
+            pairs.append(compare(profile, Workload.parse(spec), real, steps, load, repeat, requests))
             print(pairs[-1].row(), flush=True)
     if not pairs:
         print(f"no saved runs in {out}", file=sys.stderr)
