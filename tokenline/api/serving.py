@@ -343,10 +343,11 @@ class OpenAIServing:
         request.check(tools_enabled=self.tool_call_parser is not None)  # before any tokenizing work
         self.ensure_ready()
         self.check_model(request.model)
-        await self.gateway.screen_input(ctx, _message_texts(request.template_messages()), request.param_names["prompt"])
+        messages = request.template_messages()
+        await self.gateway.screen_input(ctx, _message_texts(messages), request.param_names["prompt"])
         use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
         # Tools render their schemas into the prompt: such a chat always goes to the pool.
-        size = INLINE_MAX_CHARS if request.tools else text_size(request.template_messages())
+        size = INLINE_MAX_CHARS if request.tools else text_size(messages)
         prompt_ids = await self.text_pool.run_sized(size, self.render_chat, request, ctx)
         self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
         tool_grammar = None
@@ -444,13 +445,14 @@ class OpenAIServing:
         request.check()
         self.ensure_ready()
         self.check_model(request.model)
+        raw_prompts = request.prompts()
         if self.gateway.filters_for(ctx.tenant):  # token-id prompts are screened as their text
-            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in request.prompts()]
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
             await self.gateway.screen_input(ctx, texts, "prompt")
         ctx.trace.mark("rendered")  # nothing to render for a text completion
         prompts = await self.text_pool.run_sized(
-            text_size(request.prompts()),
-            lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in request.prompts()],
+            text_size(raw_prompts),
+            lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in raw_prompts],
         )
         ctx.trace.mark("tokenized")
         for prompt_ids in prompts:

@@ -43,8 +43,8 @@ class PipeWriter:
         os.set_blocking(self._fd, False)  # this end only; the engine's read end keeps blocking
         self._loop = loop
         self._loop_thread = threading.get_ident()  # built on the loop's thread, as start() runs
-        self._pending = bytearray()  # what the pipe had no room for yet, in order
-        self._watching = False  # a writer callback is registered for the pending bytes
+        # What the pipe had no room for yet, in order; while it holds bytes a writer callback is registered.
+        self._pending = bytearray()
         self._closing = False  # close once the pending bytes are out
         self.closed = False
 
@@ -67,7 +67,7 @@ class PipeWriter:
         written = self._write(data)
         if written is not None and written < len(data):
             self._pending += data[written:]
-            self._watch()
+            self._loop.add_writer(self._fd, self._flush)
 
     def close(self) -> None:
         """Close the pipe once what is queued has been written (at once if nothing is)."""
@@ -88,11 +88,6 @@ class PipeWriter:
             self._close_now()
             return None
 
-    def _watch(self) -> None:
-        if not self._watching:
-            self._loop.add_writer(self._fd, self._flush)
-            self._watching = True
-
     def _flush(self) -> None:
         written = self._write(self._pending)
         if written is None:
@@ -101,7 +96,6 @@ class PipeWriter:
         if self._pending:
             return
         self._loop.remove_writer(self._fd)
-        self._watching = False
         if self._closing:
             self._close_now()
 
@@ -109,8 +103,7 @@ class PipeWriter:
         if self.closed:
             return
         self.closed = True
-        self._pending.clear()
-        if self._watching:
+        if self._pending:
             self._loop.remove_writer(self._fd)
-            self._watching = False
+            self._pending.clear()
         self._conn.close()
