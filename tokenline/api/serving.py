@@ -198,6 +198,8 @@ class OpenAIServing:
             chat_parser=chat_parser, session_id=session_id,
         )
         ctx.name_response(state.group_id, state.request_ids)
+        # Stamped at the hand-off: the engine may schedule the request while the journal row is written.
+        handed_over = time.monotonic()
         try:
             collector = self.client.add(state.engine_requests)
         except EngineDeadError as exc:  # it died while the request was being admitted
@@ -205,7 +207,7 @@ class OpenAIServing:
             self._check_engine()
             raise APIError.unavailable(f"the engine is not available: {exc}") from exc
         self.gateway.journal(ctx, self.served_model_name, sum(len(p) for p in prompts))
-        self.gateway.queued(ctx)
+        self.gateway.queued(ctx, handed_over)
         return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx))
 
     async def _updates(self, gen: _Generation) -> AsyncIterator[list[SequenceUpdate]]:

@@ -155,9 +155,9 @@ class Gateway:
         self._announce(trace, "arrived", trace.stamps["arrived"])
         return RequestContext(state["request_id"], trace, tenant, state["extra_headers"], scope_state=state)
 
-    def queued(self, ctx: RequestContext) -> None:
-        """The engine has the request's sequences."""
-        ctx.trace.mark("queued")
+    def queued(self, ctx: RequestContext, at: float | None = None) -> None:
+        """The engine has the request's sequences (since monotonic time ``at``, default now)."""
+        ctx.trace.mark("queued", at)
         self._announce(ctx.trace, "queued", ctx.trace.stamps["queued"])
 
     def _announce(self, trace: RequestTrace, stage: str, at: float, **extra: Any) -> None:
