@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import TinyQwen3_5
 from tests.e2e.conftest import Server, start_server, wait_until
 from tests.e2e.event_stream import EventReader
+from tests.e2e.tool_loop import check_tool_loop
 
 TOOLS = [
     {
@@ -142,6 +143,11 @@ def test_required_tool_calls_through_the_openai_sdk(hybrid: Server) -> None:
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
         assert call.function.name in ("get_weather", "get_time") and json.loads(call.function.arguments)
+
+
+def test_an_agent_tool_loop_renders_and_tokenizes_alike(hybrid: Server) -> None:
+    # Turn 2 of an agent: tool-calling turns with content null or none, tool results as parts.
+    check_tool_loop(hybrid, "tiny")
 
 
 def test_tool_choice_naming_an_unknown_tool_is_a_400(hybrid: Server) -> None:

@@ -576,6 +576,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered into the prompt as a chat with them would be
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

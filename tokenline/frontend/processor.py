@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokenline.engine.messages import EngineRequest
+from tokenline.frontend.chat_messages import content_format, conversation
 from tokenline.frontend.chat_output import ChatOutputParser
 from tokenline.frontend.chat_template import ChatTemplateError
 from tokenline.frontend.reasoning import THINK_END, THINK_START
@@ -74,12 +75,14 @@ class InputProcessor:
         reasoning_effort: str | None = None,
     ) -> RenderedChat:
         """The conversation rendered with the model's own chat template: text that also remembers
-        where caller strings held special-token strings, for ``encode_rendered``.
+        where caller strings held special-token strings, for ``encode_rendered``. The messages
+        are first shaped as vLLM hands them to templates (``chat_messages.conversation``).
         ``reasoning_effort`` sets the template's thinking switch, if it has one."""
         switch = has_thinking_switch(self.tokenizer.chat_templates.values())
         try:
+            template = self.tokenizer.pick_template(tools or None)
             return self.tokenizer.render_chat(
-                list(messages),
+                conversation(messages, content_format(template)),
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

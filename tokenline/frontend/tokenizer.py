@@ -282,7 +282,8 @@ class Tokenizer:
                 broken[name] = str(exc)
         return broken
 
-    def _pick_template(self, tools: Sequence[Any] | None) -> str:
+    def pick_template(self, tools: Sequence[Any] | None) -> str:
+        """The template that renders a conversation with these ``tools`` (ChatTemplateError if none)."""
         if tools is not None and "tool_use" in self._chat_templates:
             return self._chat_templates["tool_use"]
         if "default" in self._chat_templates:
@@ -305,7 +306,7 @@ class Tokenizer:
         """Render the conversation for `encode_chat`: special-token strings in any caller string
         (contents, names, tool calls and results, tool schemas, template kwargs) stay text, unless
         `parse_special_tokens` (the operator's opt-in). The text is `apply_chat_template`'s."""
-        template = self._pick_template(tools)
+        template = self.pick_template(tools)
 
         def render(messages: Any, tools: Any, kwargs: Any) -> str:
             return self._render(template, messages, add_generation_prompt, continue_final_message, tools, kwargs)
@@ -339,7 +340,7 @@ class Tokenizer:
         `chat_template` overrides the model's own (a template source, or the name of one of its templates).
         """
         if chat_template is None:
-            template = self._pick_template(tools)
+            template = self.pick_template(tools)
         else:
             template = self._chat_templates.get(chat_template, chat_template)
         return self._render(template, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
