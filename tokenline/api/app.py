@@ -3,7 +3,8 @@
 The API process does HTTP (here), the gateway's policy (keys, limits, ledger, metrics, traces) and
 the request processor's text work (templates, tokens, detokenization); the engine (scheduler +
 model) sits behind an ``EngineClient`` — by default its own process (``EngineProcessClient``). The app answers ``/health`` with 503
-while the model loads and after the engine dies, and 200 when it is ready.
+while the model loads and after the engine dies, and 200 when it is ready; meanwhile every route but
+the probes and /metrics answers 503 (``readiness.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tokenline.api.body_check import reject_invalid_unicode
 from tokenline.api.dashboard import install_dashboard
 from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
 from tokenline.api.passthrough import PassthroughServing
+from tokenline.api.readiness import ReadinessGate
 from tokenline.api.serving import OpenAIServing
 from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
@@ -281,7 +283,9 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     client.add_step_listener(gateway.events.on_step)
     install_dashboard(app, gateway.events, keys is not None, served_model_name)
 
-    # The only middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
+    # Inside the door: until the engine can serve, only the probes and /metrics answer (vLLM's readiness).
+    app.add_middleware(ReadinessGate, check_ready=serving.ensure_ready)
+    # The outer middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
     app.add_middleware(
         Door, max_request_bytes=gateway.limits.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics,
         policy=door_policy(settings),
