@@ -207,3 +207,24 @@ def test_generation_config_sets_the_processors_sampling_defaults(
         "folder": {"temperature": 0.25, "top_k": 5},
     }[source]
     assert app.state.serving.processor.generation_config == expected
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--tool-call-parser", "llama3_json"), ("--tool-call-parser", "llama4_json"), ("--tool-call-parser", "pythonic"),
+    ("--reasoning-parser", "deepseek_r1"),
+])
+def test_the_parsers_vllm_users_name_are_accepted(default_model_dir: Path, flag: str, value: str) -> None:
+    s, idle = settings(default_model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", flag, value)
+    assert getattr(s, flag[2:].replace("-", "_")) == value and idle == []
+
+
+def test_an_unknown_flag_gets_one_line_naming_the_subcommand() -> None:
+    done = run_serve("--bogus")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "tokenline serve: error: unrecognized arguments: --bogus (see `tokenline serve --help`)"
+    ]
+    # A bad value is one line too, not serve's pages of usage.
+    done = run_serve("--tool-call-parser", "nope")
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and line.startswith("tokenline serve: error: argument --tool-call-parser")

@@ -9,10 +9,12 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenline.engine.client import RestartPolicy
 from tokenline.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_kv_events_config
+from tokenline.frontend.reasoning import REASONING_FORMATS
+from tokenline.frontend.tool_parsers import TOOL_CALL_FORMATS
 from tokenline.serve_args import (
     add_vllm_args,
     check_model_argument,
@@ -27,6 +29,28 @@ if TYPE_CHECKING:
     from tokenline.api.app import ServerSettings
     from tokenline.sim.replicas import FleetConfig
     from tokenline.router.ray_serve import RayServeSettings
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem and where the flags are listed, not the usage
+    (serve's runs to pages and buries the error under it). Subcommand parsers are of this class too
+    and say which subcommand the error is in."""
+
+    commands: argparse._SubParsersAction | None = None
+
+    def add_subparsers(self, **kwargs: Any) -> argparse._SubParsersAction:
+        self.commands = super().add_subparsers(**kwargs)
+        return self.commands
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def command_parser(self, args: argparse.Namespace) -> CommandLineParser:
+        """The parser of the (sub)command ``args`` were parsed for."""
+        parser = self
+        while parser.commands is not None and getattr(args, parser.commands.dest, None) in parser.commands.choices:
+            parser = parser.commands.choices[getattr(args, parser.commands.dest)]
+        return parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) -> None:
@@ -627,10 +651,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-prompts", action="store_true", help="include user text in logs (off by default)")
     p.add_argument("--content-filter", default=None, metavar="FILE",
                    help="safety filters (TOML or JSON [[content_filter]] tables) for tenants without their own")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
-                   help="split <think>...</think> into the message's reasoning_content")
-    p.add_argument("--tool-call-parser", default=None, choices=["qwen3", "hermes"],
-                   help="turn <tool_call>{...}</tool_call> into OpenAI tool_calls (enables `tools`)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_FORMATS),
+                   help="split <think>...</think> into the message's reasoning_content (deepseek_r1: the answer "
+                        "starts in the thought, only </think> may appear)")
+    p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_FORMATS),
+                   help="turn the model's tool calls into OpenAI tool_calls (enables `tools`): hermes/qwen3 "
+                        "<tool_call>{...}</tool_call>, llama3_json {\"name\": ..., \"parameters\": ...}, "
+                        "pythonic [f(x=1)]")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get a 413")
     p.add_argument("--max-messages", type=int, default=1024, help="most messages in one chat request")
     p.add_argument(
@@ -661,8 +688,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="open connections beyond which requests (probes excepted) get a 503 (0 = no cap)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenline", description="LLM inference server")
+def build_parser() -> CommandLineParser:
+    parser = CommandLineParser(prog="tokenline", description="LLM inference server")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -911,7 +938,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    parser = parser.command_parser(args)
+    if unknown:  # reported by the subcommand that was given them
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "kv_events_config", None):
         try:  # a bad flag is a usage error, not a traceback
             parse_kv_events_config(args.kv_events_config)

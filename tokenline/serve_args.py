@@ -208,7 +208,7 @@ def check_vllm_args(args: argparse.Namespace) -> list[str]:
             raise ServeArgsError(f"two models given: {args.model!r} and --model {args.model_option!r}")
         args.model = args.model_option
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ServeArgsError("--enable-auto-tool-choice needs --tool-call-parser (qwen3 or hermes), as in vLLM")
+        raise ServeArgsError("--enable-auto-tool-choice needs --tool-call-parser (see its choices), as in vLLM")
     idle = []
     for flag in VLLM_FLAGS:
         value = getattr(args, flag.dest)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from tokenline.frontend.chat_template import render_chat_template
 from tokenline.frontend.qwen_vocab import QWEN_CHAT_TEMPLATE
-from tokenline.frontend.reasoning import ReasoningParser, split_reasoning
+from tokenline.frontend.processor import InputProcessor
+from tokenline.frontend.reasoning import REASONING_FORMATS, ReasoningParser, split_reasoning
+from tokenline.frontend.tokenizer import Tokenizer
 
 
 def run(deltas: Sequence[str], starts_in_reasoning: bool = False) -> tuple[str, str, list[tuple[str, str]]]:
@@ -46,6 +49,13 @@ CASES = [
     ("Content with a stray </think> and\nnewlines\n\n", False, None, "Content with a stray </think> and\nnewlines\n\n"),
     ("<think>多语言 😀 推理\n</think>\n\n答案：👨‍👩‍👧", False, "多语言 😀 推理", "答案：👨‍👩‍👧"),
     ("<think>one</think>mid<think>two</think>end", False, "onetwo", "midend"),
+    # An answer that starts in the thought (DeepSeek-R1): a <think> the model writes first anyway
+    # is the same thought opened again, not text of it.
+    ("<think>\nI reason.\n</think>\n\nAnswer.", True, "I reason.", "Answer."),
+    ("\n<think>x</think>y", True, "x", "y"),
+    ("<think", True, "<think", ""),  # an incomplete tag is text
+    ("<thinking> hmm</think>x", True, "<thinking> hmm", "x"),
+    ("a <think> inside</think>b", True, "a <think> inside", "b"),
 ]
 
 
@@ -111,3 +121,24 @@ def test_parses_back_what_the_template_renders(reasoning: str, content: str) -> 
     assert split_reasoning(generated) == (reasoning, content)
     # A template that opens <think> in the prompt leaves the model starting inside reasoning.
     assert split_reasoning(generated.removeprefix("<think>"), starts_in_reasoning=True) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("prompt_end", "inside"), [
+    ("<｜Assistant｜><think>\n", True),  # the R1 template opens the thought
+    ("<｜Assistant｜>", True),  # older R1 templates: the model opens it, or only closes it
+    ("<｜Assistant｜><think>\n\n</think>\n\n", False),  # thinking switched off
+])
+def test_deepseek_r1_answers_start_in_the_thought_unless_the_prompt_closed_it(
+    default_model_dir: Path, prompt_end: str, inside: bool
+) -> None:
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    prompt = tokenizer.encode("<｜User｜>What is 2 + 2?" + prompt_end, add_special_tokens=False)
+    deepseek = InputProcessor(tokenizer, {}, lambda: 4096, reasoning=REASONING_FORMATS["deepseek_r1"])
+    qwen3 = InputProcessor(tokenizer, {}, lambda: 4096, reasoning=REASONING_FORMATS["qwen3"])
+    assert deepseek.starts_in_reasoning(prompt) is inside
+    assert qwen3.starts_in_reasoning(prompt) is prompt_end.endswith("<think>\n")
+    # The chat answer is then split as vLLM's deepseek_r1 splits it: the thought up to </think>.
+    parser = deepseek.chat_parser(False)(prompt)
+    assert parser is not None
+    parsed = parser.parse_all("2 + 2 is 4.\n</think>\n\nFour." if inside else "Four.")
+    assert (parsed.reasoning, parsed.content) == (("2 + 2 is 4.", "Four.") if inside else (None, "Four."))

@@ -52,6 +52,7 @@ from tokenline.engine.config import EngineConfig
 from tokenline.engine.process_client import EngineProcessClient
 from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
 from tokenline.frontend.processor import InputProcessor, PromptError
+from tokenline.frontend.reasoning import REASONING_FORMATS
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.door import Door
 from tokenline.gateway.door_policy import DoorPolicy, resolve_metrics_auth
@@ -89,8 +90,8 @@ class ServerSettings:
     prices_file: str | None = None  # USD per million input / output tokens, per model (TOML)
     log_prompts: bool = False  # user text is never logged unless asked
     content_filter: str | None = None  # default safety filters (TOML/JSON) for tenants without their own
-    reasoning_parser: str | None = None  # "qwen3": <think>…</think> goes to reasoning_content
-    tool_call_parser: str | None = None  # "qwen3" / "hermes": <tool_call>{…}</tool_call> → tool_calls
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think>…</think> goes to reasoning_content
+    tool_call_parser: str | None = None  # a tool_parsers.TOOL_CALL_FORMATS name: calls in that format → tool_calls
     request_timeout: float | None = 600.0  # seconds a request may take end to end
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_bytes: int = 4 * 1024 * 1024  # request bodies above this get a 413 unread
@@ -208,7 +209,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             tokenizer,
             load_generation_config(settings.generation_config, model_dir),
             lambda: serving.max_model_len,
-            reasoning=settings.reasoning_parser is not None,
+            reasoning=REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else False,
             allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
         ),
         gateway,

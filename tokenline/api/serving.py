@@ -53,6 +53,7 @@ from tokenline.frontend.request_state import RequestState, SequenceState, Sequen
 from tokenline.frontend.text_pool import INLINE_MAX_CHARS, TextWorkPool, text_size
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START, tool_call_grammar
+from tokenline.frontend.tool_parsers import HERMES, tool_call_format
 from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.filters import OutputGuard
 from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
@@ -105,6 +106,7 @@ class OpenAIServing:
         self.model_names = frozenset([served_model_name, *model_aliases])
         self.request_timeout = request_timeout
         self.tool_call_parser = tool_call_parser
+        self.tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
         self._background: set[asyncio.Task[None]] = set()
         # Rendering and tokenizing run here, off the event loop, bounded (frontend/text_pool.py).
         self.text_pool = TextWorkPool()
@@ -357,8 +359,10 @@ class OpenAIServing:
             markers = self.tokenizer.added_token_ids([TOOL_CALL_START, TOOL_CALL_END])
             tool_grammar = tool_call_grammar(request.tools or [], request.tool_choice, markers)
         params = self._params(request, prompt_ids, tool_grammar)
+        # A forced call is written in the grammar's format (Hermes'), the model's own calls in its format.
+        tool_format = (HERMES if tool_grammar is not None else self.tool_format) if use_tools else None
         return await self._start(
-            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools),
+            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(tool_format or False),
             response_id=response_id, session_id=request.user,
         )
 

@@ -1,7 +1,8 @@
 """A chat choice's text, shaped the way the OpenAI API reports it: reasoning, content, tool calls.
 
-Chains the reasoning parser (``<think>…</think>``) and the tool-call parser
-(``<tool_call>{…}</tool_call>``) for one choice, streaming or not. ``tool_choice`` "required" or a
+Chains the reasoning parser (``<think>…</think>``) and the tool-call parser of the model's format
+(``tool_parsers``: ``<tool_call>{…}</tool_call>``, Llama's JSON, Python calls) for one choice,
+streaming or not. ``tool_choice`` "required" or a
 named function is enforced upstream, by a grammar on the generated tokens (``tool_call_grammar``).
 """
 
@@ -16,9 +17,8 @@ from tokenline.frontend.tool_calls import (
     ToolCall,
     ToolCallArgumentsDelta,
     ToolCallStart,
-    ToolCallStreamParser,
-    parse_tool_calls,
 )
+from tokenline.frontend.tool_parsers import HERMES, ToolCallFormat
 
 
 @dataclass
@@ -47,10 +47,13 @@ class ParsedChat:
 
 
 class ChatOutputParser:
-    def __init__(self, *, reasoning: bool, starts_in_reasoning: bool, tools: bool) -> None:
+    """``tools``: parse tool calls, in this format (True: Hermes', the forced-call grammar's)."""
+
+    def __init__(self, *, reasoning: bool, starts_in_reasoning: bool, tools: bool | ToolCallFormat) -> None:
         self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
         self._starts_in_reasoning = starts_in_reasoning
-        self._tools = ToolCallStreamParser() if tools else None
+        self._format = HERMES if tools is True else tools or None
+        self._tools = self._format.stream() if self._format is not None else None
         self.made_tool_calls = False
 
     def feed(self, delta: str) -> ChatPiece:
@@ -70,8 +73,8 @@ class ChatOutputParser:
         if self._reasoning is not None:
             reasoning, text = split_reasoning(text, starts_in_reasoning=self._starts_in_reasoning)
         calls: list[ToolCall] = []
-        if self._tools is not None:
-            text, calls = parse_tool_calls(text, truncated)
+        if self._format is not None:
+            text, calls = self._format.parse(text, truncated)
         self.made_tool_calls = bool(calls)
         return ParsedChat(reasoning, text, calls)
 

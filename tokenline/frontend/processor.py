@@ -16,11 +16,12 @@ from tokenline.engine.messages import EngineRequest
 from tokenline.frontend.chat_messages import content_format, conversation
 from tokenline.frontend.chat_output import ChatOutputParser
 from tokenline.frontend.chat_template import ChatTemplateError
-from tokenline.frontend.reasoning import THINK_END, THINK_START
+from tokenline.frontend.reasoning import QWEN3, THINK_END, THINK_START, ReasoningFormat
 from tokenline.frontend.request_state import RequestState, SequenceState
 from tokenline.frontend.text_stream import TextStream
 from tokenline.frontend.thinking import has_thinking_switch, thinking_kwargs
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.frontend.tool_parsers import ToolCallFormat
 from tokenline.frontend.user_text import RenderedChat
 from tokenline.model.grammar import validate as validate_structured_outputs
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
@@ -45,17 +46,19 @@ class InputProcessor:
         tokenizer: Tokenizer,
         generation_config: Mapping[str, Any],
         max_model_len: Callable[[], int],
-        reasoning: bool = False,
+        reasoning: bool | ReasoningFormat = False,
         allow_special_tokens_in_content: bool = False,
     ) -> None:
         """``max_model_len`` is asked when needed: a server learns it once its engine is ready.
-        ``reasoning``: the model's answers start with a thought (a reasoning parser is on).
-        ``allow_special_tokens_in_content``: the operator's opt-in to tokenize special-token
-        strings in message content and text prompts as special tokens (by default they are text)."""
+        ``reasoning``: the model's answers start with a thought (a reasoning parser is on), in this
+        format (True: Qwen3's). ``allow_special_tokens_in_content``: the operator's opt-in to
+        tokenize special-token strings in message content and text prompts as special tokens (by
+        default they are text)."""
         self.tokenizer = tokenizer
         self.generation_config = dict(generation_config)
         self._max_model_len = max_model_len
-        self.reasoning = reasoning
+        self.reasoning_format = QWEN3 if reasoning is True else reasoning or None
+        self.reasoning = self.reasoning_format is not None
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
 
     @property
@@ -238,8 +241,9 @@ class InputProcessor:
                 )
         return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)
 
-    def chat_parser(self, tools: bool) -> ChatParserFactory:
-        """A factory of per-choice reasoning / tool-call parsers for chat answers to a prompt."""
+    def chat_parser(self, tools: bool | ToolCallFormat) -> ChatParserFactory:
+        """A factory of per-choice reasoning / tool-call parsers for chat answers to a prompt;
+        ``tools``: parse tool calls, in this format (True: Hermes', the forced-call grammar's)."""
 
         def make(prompt_ids: Sequence[int]) -> ChatOutputParser | None:
             if not (self.reasoning or tools):
@@ -254,7 +258,11 @@ class InputProcessor:
 
     def starts_in_reasoning(self, prompt_ids: Sequence[int]) -> bool:
         """The answer starts inside reasoning when the prompt's last turn opened <think> without
-        closing it (a template that opens it, or continue_final_message inside a thought)."""
+        closing it (a template that opens it, or continue_final_message inside a thought); in a
+        format whose answers start in a thought (DeepSeek-R1), unless the prompt ends by closing
+        one (thinking switched off)."""
         tail = self.tokenizer.decode(list(prompt_ids[-256:]), skip_special_tokens=False)
+        if self.reasoning_format is not None and self.reasoning_format.starts_in_thought:
+            return not tail.rstrip().endswith(THINK_END)
         tail = tail[tail.rfind("<|im_start|>") + 1 :]
         return tail.rfind(THINK_START) > tail.rfind(THINK_END)

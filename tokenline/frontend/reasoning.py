@@ -9,10 +9,41 @@ however the text was cut.
 
 from __future__ import annotations
 
-__all__ = ["THINK_END", "THINK_START", "ReasoningParser", "split_reasoning"]
+from dataclasses import dataclass
+
+__all__ = [
+    "QWEN3",
+    "REASONING_FORMATS",
+    "THINK_END",
+    "THINK_START",
+    "ReasoningFormat",
+    "ReasoningParser",
+    "split_reasoning",
+]
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a model family's answers hold their thought (vLLM's ``--reasoning-parser`` names).
+
+    Both write ``<think>…</think>``; they differ in where an answer starts. ``qwen3``: inside a
+    thought only when the prompt opened ``<think>`` (its template does when thinking is on).
+    ``deepseek_r1`` (``starts_in_thought``): DeepSeek-R1's answers are a thought until
+    ``</think>`` whether or not the prompt shows the ``<think>`` (its templates put it there, or
+    the model writes it), unless the prompt already closed the thought (thinking switched off)."""
+
+    name: str
+    starts_in_thought: bool = False
+
+
+QWEN3 = ReasoningFormat("qwen3")
+REASONING_FORMATS: dict[str, ReasoningFormat] = {
+    "qwen3": QWEN3,
+    "deepseek_r1": ReasoningFormat("deepseek_r1", starts_in_thought=True),
+}
 
 
 def _partial_tag_len(text: str, tag: str) -> int:
@@ -27,9 +58,10 @@ class ReasoningParser:
     """Incremental splitter of generated text into (reasoning, content) deltas.
 
     Text outside `<think>...</think>` is content; with no tags at all everything is content. Set
-    `starts_in_reasoning` when the prompt already opened `<think>` (the output then begins inside
-    reasoning and only `</think>` ends it). A tag split across deltas is held back until it is
-    complete or can no longer be one, so it never leaks into either stream.
+    `starts_in_reasoning` when the output begins inside reasoning (the prompt already opened
+    `<think>`): only `</think>` ends it, and a `<think>` the model writes first anyway is dropped.
+    A tag split across deltas is held back until it is complete or can no longer be one, so it
+    never leaks into either stream.
     """
 
     def __init__(self, starts_in_reasoning: bool = False) -> None:
@@ -38,6 +70,7 @@ class ReasoningParser:
         self._held = ""  # text not yet assigned: a possible partial tag, or newlines before one
         # Drop leading newlines of the next text (template layout after a tag).
         self._skip_newlines = starts_in_reasoning
+        self._may_reopen = starts_in_reasoning  # the model may open the thought the prompt opened
         self._finished = False
 
     @property
@@ -66,6 +99,14 @@ class ReasoningParser:
                     # All newlines so far: keep skipping with the next delta.
                     return "".join(reasoning), "".join(content)
                 text, self._skip_newlines = stripped, False
+            if self._may_reopen:
+                if THINK_START.startswith(text):
+                    self._held = text  # maybe the start of a repeated <think>
+                    break
+                self._may_reopen = False
+                if text.startswith(THINK_START):
+                    text, self._skip_newlines = text[len(THINK_START) :], True
+                    continue
             tag = THINK_END if self._in_reasoning else THINK_START
             out = reasoning if self._in_reasoning else content
             at = text.find(tag)
