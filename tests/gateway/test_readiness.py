@@ -45,7 +45,8 @@ def test_only_the_probes_and_metrics_answer_until_the_engine_is_ready(loading) -
     assert client.get("/metrics").status_code == 200
     refused = [
         client.get("/v1/models"), client.get("/v1/models/m"), client.get("/version"),
-        client.post("/v1/chat/completions", json=CHAT), client.post("/v1/completions", json={"model": "m", "prompt": "Hi"}),
+        client.post("/v1/chat/completions", json=CHAT),
+        client.post("/v1/completions", json={"model": "m", "prompt": "Hi"}),
         client.post("/tokenize", json={"prompt": "Hi"}), client.post("/detokenize", json={"tokens": [1]}),
         client.get("/openapi.json"), client.get("/dashboard"),
     ]

@@ -126,7 +126,8 @@ def _aliases(tree: jinja2.nodes.Template, name: str) -> set[str]:
         current = todo.popleft()
         for assign in tree.find_all(jinja2.nodes.Assign):
             target = assign.target
-            if isinstance(target, jinja2.nodes.Name) and target.name not in found and _reads(assign.node, current, None):
+            fresh = isinstance(target, jinja2.nodes.Name) and target.name not in found
+            if fresh and _reads(assign.node, current, None):
                 found.add(target.name)
                 todo.append(target.name)
     return found
