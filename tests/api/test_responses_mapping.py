@@ -148,3 +148,15 @@ def test_response_store_is_per_tenant(tmp_path: Path) -> None:
     assert store.get("resp_1", "bob") is None
     assert not store.delete("resp_1", "bob") and store.delete("resp_1", "alice")
     assert store.get("resp_1", "alice") is None
+
+
+def test_a_call_is_complete_even_when_the_answer_is_not() -> None:
+    # Only whole calls reach the builder; the answer's status says the length limit came after.
+    builder = OutputBuilder()
+    builder.feed(ChatPiece(tool_calls=[ToolCallPiece(0, "call_1", "f", "{}")]))
+    builder.finish("incomplete")
+    assert [(i["type"], i["status"]) for i in builder.items] == [("function_call", "completed")]
+    text = OutputBuilder()
+    text.feed(ChatPiece(content="Hi"))
+    text.finish("incomplete")
+    assert [(i["type"], i["status"]) for i in text.items] == [("message", "incomplete")]

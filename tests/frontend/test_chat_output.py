@@ -77,3 +77,58 @@ def test_finish_reason_is_tool_calls_exactly_when_calls_are_reported() -> None:
             assert len(piece.tool_calls) == 1 and len(parsed.tool_calls) == 1
         expected = reason if truncated else "tool_calls"
         assert streamed.finish_reason(reason) == whole.finish_reason(reason) == expected
+
+
+def kinds(pieces: list[ChatPiece]) -> list[tuple[str, str]]:
+    """Each piece as (kind, text): reasoning, content, or a call's name and arguments."""
+    out = []
+    for piece in pieces:
+        assert sum(map(bool, (piece.reasoning, piece.content, piece.tool_calls))) == 1, piece  # one kind each
+        if piece.reasoning or piece.content:
+            out.append(("reasoning", piece.reasoning) if piece.reasoning else ("content", piece.content))
+        else:
+            out += [("call", f"{c.name}:{c.arguments}") for c in piece.tool_calls]
+    return out
+
+
+TWO_CALLS = (
+    'Sure.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\nThen\n'
+    '<tool_call>\n{"name": "b", "arguments": {"x": 1}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_in_order_pieces_keep_the_order_the_model_wrote(size: int) -> None:
+    # The Responses API makes an item of each piece: text after a call comes after it.
+    parser = ChatOutputParser(reasoning=True, starts_in_reasoning=True, tools=True)
+    text = "hmm</think>\n\n" + TWO_CALLS
+    pieces = [p for i in range(0, len(text), size) for p in parser.feed_in_order(text[i : i + size])]
+    pieces += parser.finish_in_order()
+    merged: list[tuple[str, str]] = []
+    for kind, part in kinds(pieces):  # a stream splits text into several pieces; a call comes whole
+        if merged and merged[-1][0] == kind != "call":
+            merged[-1] = (kind, merged[-1][1] + part)
+        else:
+            merged.append((kind, part))
+    assert merged == [("reasoning", "hmm"), ("content", "Sure."), ("call", "a:{}"), ("content", "Then"),
+                      ("call", 'b:{"x": 1}')]
+
+
+def test_max_calls_reports_only_the_first_calls() -> None:
+    streamed = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, max_calls=1)
+    piece = stream(streamed, TWO_CALLS, 4)
+    assert calls_of(piece) == [("a", {})] and piece.content == "Sure.Then"
+    whole = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True, max_calls=1)
+    assert [c.name for c in whole.parse_all(TWO_CALLS).tool_calls] == ["a"]
+
+
+@pytest.mark.parametrize("cut", ["<tool_call>\n{\"name\": \"b\", \"argu", "<tool_", "\n<tool_call>"])
+def test_a_cut_call_can_be_dropped_instead_of_shown_as_content(cut: str) -> None:
+    text = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n' + cut
+    for drop in (False, True):
+        parser = ChatOutputParser(reasoning=False, starts_in_reasoning=False, tools=True)
+        pieces = parser.feed_in_order(text) + parser.finish_in_order(truncated=True, drop_cut_call=drop)
+        shown = kinds(pieces)
+        assert shown[0] == ("call", "a:{}")
+        # Kept (the chat API's way), the cut block is content; dropped (the Responses API's), nothing follows.
+        assert shown[1:] == ([] if drop else [("content", cut.lstrip())])

@@ -211,27 +211,3 @@ def test_ids_are_unique_and_malformed_input_never_raises() -> None:
         content, calls = parse_tool_calls(text)
         streamed = stream(all_splits(text)[rng.randrange(len(text) + 1)] if text else [text])
         assert isinstance(content, str) and isinstance(streamed[0], str)
-
-
-def test_tool_call_grammar_for_required_and_named_functions() -> None:
-    from llguidance import LLMatcher
-
-    from tokenline.frontend.tool_calls import tool_call_grammar
-
-    tools = [
-        {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-        {"type": "function", "function": {"name": "now"}},
-    ]
-    assert tool_call_grammar(tools, "auto") is None and tool_call_grammar(tools, None) is None
-    required = tool_call_grammar(tools, "required")
-    named = tool_call_grammar(tools, {"type": "function", "function": {"name": "now"}})
-    assert required is not None and named is not None
-    assert '("\\n" call)*' in required and "call)*" not in named  # several calls, or exactly one
-    assert '"get_weather"' in required and '"get_weather"' not in named
-    for grammar in (required, named):
-        assert '"<tool_call>"' in grammar and "whitespace_flexible" in grammar
-        assert not LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar))
-    # Markers the vocabulary holds as single added tokens are named by id, not spelled out.
-    by_id = tool_call_grammar(tools, "required", {"<tool_call>": 7, "</tool_call>": 8})
-    assert by_id is not None and "<[7]>" in by_id and "<[8]>" in by_id and '"<tool_call>"' not in by_id

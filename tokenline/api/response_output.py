@@ -52,9 +52,11 @@ class OutputBuilder:
         return events
 
     def finish(self, status: str) -> list[Event]:
-        """Close what is open with ``status`` ("completed" or "incomplete"). An answer with no
-        text and no call still has its (empty) message, as OpenAI's does."""
-        events = self._close(status)
+        """Close what is open with ``status`` ("completed" or "incomplete"); a function call is
+        always complete (only whole calls are fed). An answer with no text and no call still has
+        its (empty) message, as OpenAI's does."""
+        open_call = self._open is not None and self._open["type"] == "function_call"
+        events = self._close("completed" if open_call else status)
         if not self._has_message and not self._has_calls:
             events += self._open_text("message") + self._close(status)
         return events

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenline.api.response_output import Event, OutputBuilder, new_id, response_usage
 from tokenline.api.responses_protocol import ResponsesRequest
 from tokenline.api.serving import OpenAIServing, _Generation, _sse, _until_disconnect
-from tokenline.frontend.chat_output import ChatPiece, ToolCallPiece
+from tokenline.frontend.chat_output import ChatPiece
 from tokenline.frontend.reasoning import THINK_END
 from tokenline.frontend.request_state import SequenceState
 from tokenline.gateway.errors import APIError, shorten
@@ -111,13 +111,9 @@ class ResponsesServing:
         except APIError as exc:
             raise run.renamed(exc) from exc.__cause__
         seq = run.seq
-        if seq.chat_output is None:
-            piece = ChatPiece(content=seq.stream.text)
-        else:
-            parsed = seq.chat_output.parse_all(seq.stream.text)
-            calls = [ToolCallPiece(i, t.id, t.name, t.arguments_json) for i, t in enumerate(parsed.tool_calls)]
-            piece = ChatPiece(parsed.reasoning or "", parsed.content, calls)
-        run.builder.feed(piece)
+        # The whole text through the stream's parsers: the very items a stream would build, in order.
+        for piece in self._pieces(run, seq, seq.stream.text):
+            run.builder.feed(piece)
         status, _ = _status(seq)
         run.builder.finish(status)
         response = self._response(run)
@@ -130,8 +126,9 @@ class ResponsesServing:
         try:
             async for updates in self.chat._updates(run.gen):
                 for update in updates:
-                    for event in run.builder.feed(self._piece(run, update.seq, update.text)):
-                        yield self._sse(run, event)
+                    for piece in self._pieces(run, update.seq, update.text):
+                        for event in run.builder.feed(piece):
+                            yield self._sse(run, event)
             status, _ = _status(run.seq)
             events = run.builder.finish(status)
             response = self._response(run)
@@ -146,16 +143,18 @@ class ResponsesServing:
             failed["error"] = {"code": exc.code or exc.type, "message": exc.message}
             yield self._sse(run, {"type": "response.failed", "response": failed})
 
-    def _piece(self, run: _Run, seq: SequenceState, text: str) -> ChatPiece:
-        """New text split by the chat parsers; at the end, what they held back."""
+    def _pieces(self, run: _Run, seq: SequenceState, text: str) -> list[ChatPiece]:
+        """New text split by the chat parsers, in the order written; at the end, what they held
+        back. Only complete calls become items: a call the length limit cut off is dropped, not
+        shown as its markup (the response is "incomplete" for it)."""
         parser = seq.chat_output
         if parser is None:
-            return ChatPiece(content=text)
-        piece = parser.feed(text) if text else ChatPiece()
+            return [ChatPiece(content=text)] if text else []
+        pieces = parser.feed_in_order(text) if text else []
         if seq.finished and not run.parser_finished:
             run.parser_finished = True
-            piece = piece.merged(parser.finish())
-        return piece
+            pieces += parser.finish_in_order(truncated=seq.finish_reason == "length", drop_cut_call=True)
+        return pieces
 
     def _sse(self, run: _Run, event: Event) -> str:
         event["sequence_number"] = run.sequence_number

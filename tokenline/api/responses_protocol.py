@@ -178,6 +178,8 @@ class _ResponsesChatRequest(ChatCompletionRequest):
         names = {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs", "prompt": "input"}
         if self.response_format is not None:
             names |= {"structured_outputs": "text.format", "structured_outputs.json": "text.format.schema"}
+        # Responses function tools are flat: no "function" level.
+        names |= {f"tools[{i}].function.parameters": f"tools[{i}].parameters" for i in range(len(self.tools or []))}
         return names
 
 

@@ -52,13 +52,14 @@ from tokenline.frontend.processor import ChatParserFactory, InputProcessor
 from tokenline.frontend.request_state import RequestState, SequenceState, SequenceUpdate
 from tokenline.frontend.text_pool import INLINE_MAX_CHARS, TextWorkPool, text_size
 from tokenline.frontend.tokenizer import Tokenizer
-from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START, tool_call_grammar
+from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START
+from tokenline.frontend.tool_grammar import tool_call_grammar
 from tokenline.frontend.tool_parsers import HERMES, tool_call_format
 from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.filters import OutputGuard
 from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
 from tokenline.gateway.ledger import ABORT_REASONS
-from tokenline.sampling_params import SamplingParams, StructuredOutputs
+from tokenline.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 
 ENGINE_RETRY_AFTER_S = 2.0  # what a 503 suggests while the engine loads or restarts
 
@@ -350,19 +351,26 @@ class OpenAIServing:
         messages = request.template_messages()
         await self.gateway.screen_input(ctx, _message_texts(messages), request.param_names["prompt"])
         use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
+        single_call = request.parallel_tool_calls is False
+        tool_grammar = None
+        if use_tools:  # a bad tool schema is refused before any rendering work
+            markers = self.tokenizer.added_token_ids([TOOL_CALL_START, TOOL_CALL_END])
+            try:
+                tool_grammar = tool_call_grammar(
+                    request.tools or [], request.tool_choice, markers, parallel=not single_call
+                )
+            except SamplingParamsError as exc:
+                raise APIError.bad_request(str(exc), param=request.param_names.get(exc.param, exc.param)) from exc
         # Tools render their schemas into the prompt: such a chat always goes to the pool.
         size = INLINE_MAX_CHARS if request.tools else text_size(messages)
         prompt_ids = await self.text_pool.run_sized(size, self.render_chat, request, ctx)
         self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
-        tool_grammar = None
-        if use_tools:
-            markers = self.tokenizer.added_token_ids([TOOL_CALL_START, TOOL_CALL_END])
-            tool_grammar = tool_call_grammar(request.tools or [], request.tool_choice, markers)
         params = self._params(request, prompt_ids, tool_grammar)
         # A forced call is written in the grammar's format (Hermes'), the model's own calls in its format.
         tool_format = (HERMES if tool_grammar is not None else self.tool_format) if use_tools else None
+        chat_parser = self.processor.chat_parser(tool_format or False, max_calls=1 if single_call else None)
         return await self._start(
-            ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(tool_format or False),
+            ctx, "chatcmpl", [prompt_ids], params, request.priority, chat_parser,
             response_id=response_id, session_id=request.user,
         )
 

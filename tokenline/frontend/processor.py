@@ -241,9 +241,10 @@ class InputProcessor:
                 )
         return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)
 
-    def chat_parser(self, tools: bool | ToolCallFormat) -> ChatParserFactory:
+    def chat_parser(self, tools: bool | ToolCallFormat, max_calls: int | None = None) -> ChatParserFactory:
         """A factory of per-choice reasoning / tool-call parsers for chat answers to a prompt;
-        ``tools``: parse tool calls, in this format (True: Hermes', the forced-call grammar's)."""
+        ``tools``: parse tool calls, in this format (True: Hermes', the forced-call grammar's);
+        ``max_calls``: report at most this many tool calls (1 for ``parallel_tool_calls: false``)."""
 
         def make(prompt_ids: Sequence[int]) -> ChatOutputParser | None:
             if not (self.reasoning or tools):
@@ -252,6 +253,7 @@ class InputProcessor:
                 reasoning=self.reasoning,
                 starts_in_reasoning=self.starts_in_reasoning(prompt_ids),
                 tools=tools,
+                max_calls=max_calls,
             )
 
         return make

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,6 @@ __all__ = [
     "ToolCallStreamParser",
     "new_tool_call_id",
     "parse_tool_calls",
-    "tool_call_grammar",
 ]
 
 TOOL_CALL_START = "<tool_call>"
@@ -47,47 +45,6 @@ TOOL_CALL_END = "</tool_call>"
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 # Whitespace, the call object's own closing brace, whitespace: what follows the arguments.
 _CALL_TAIL = re.compile(r"\s*\}?\s*\Z")
-
-
-def tool_call_grammar(
-    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None, added_tokens: Mapping[str, int] | None = None
-) -> str | None:
-    """A Lark grammar (llguidance's dialect) that makes the model answer with tool calls in this
-    format: ``"required"`` one or more calls to any of ``tools``, a named function exactly one call
-    to it; ``auto``/``none`` no grammar. Each call's arguments follow its function's JSON schema
-    (so a ``strict`` schema is honoured), with the name first as the stream parser expects.
-    ``added_tokens``: ids of the markers where the vocabulary has them as single added tokens
-    (Qwen's ``<tool_call>``), which a grammar must name by id, not spell out."""
-
-    def call_schema(function: dict[str, Any]) -> dict[str, Any]:
-        parameters = function.get("parameters") or {"type": "object"}
-        return {
-            "type": "object",
-            "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-
-    functions = [t["function"] for t in tools]
-    if isinstance(tool_choice, dict):
-        wanted = tool_choice["function"]["name"]
-        schema = call_schema(next(f for f in functions if f["name"] == wanted))
-        repeat = ""
-    elif tool_choice == "required":
-        schema = {"anyOf": [call_schema(f) for f in functions]}
-        repeat = ' ("\\n" call)*'
-    else:
-        return None
-    # Compact JSON: free whitespace is where a weak model wanders off and never ends the call.
-    schema["x-guidance"] = {"whitespace_flexible": False}
-
-    def marker(text: str) -> str:
-        token_id = (added_tokens or {}).get(text)
-        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)  # JSON strings are Lark strings
-
-    start = f'{marker(TOOL_CALL_START)} "\\n"'
-    end = f'"\\n" {marker(TOOL_CALL_END)}'
-    return f"start: call{repeat}\ncall: {start} body {end}\nbody: %json {json.dumps(schema)}\n"
 
 
 def new_tool_call_id() -> str:
@@ -236,6 +193,11 @@ class ToolCallStreamParser:
         self._strip_next = False  # drop leading whitespace: the previous thing was a call
         self._calls = 0
         self._finished = False
+
+    @property
+    def in_call(self) -> bool:
+        """A call has begun: its block is open, or the text held back ends in part of ``<tool_call>``."""
+        return self._in_call or _partial_tag_len(self._held, TOOL_CALL_START) > 0
 
     @property
     def num_calls(self) -> int:

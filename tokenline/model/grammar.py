@@ -75,6 +75,17 @@ def validate(spec: StructuredOutputs) -> None:
         raise SamplingParamsError(_param(spec), f"invalid {spec.kind}: {error.strip()}")
 
 
+def json_schema_error(schema: dict) -> str | None:
+    """What llguidance finds wrong with a JSON schema (a missing ``$ref`` target, an unknown type,
+    a bad ``pattern``), or None: the schema's own ``x-guidance`` options apply over ours. Checked
+    alone, so the message names the schema's fault and carries no grammar around it."""
+    try:
+        text = LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return LLMatcher.validate_grammar(text).strip() or None
+
+
 class CompiledGrammar:
     """A compiled grammar: a pristine matcher that each request copies."""
 

@@ -4,7 +4,7 @@ Each format is a stream parser (feed content deltas, get content and call events
 ``tool_calls.py`` for the events) and a whole-output split that follows the same rules, so a
 streamed answer carries the calls and content a non-streamed one reports. Forced calls
 (``tool_choice`` required or named) are always written in the Hermes format, which the grammar
-enforces (``tool_calls.tool_call_grammar``), whatever format the model writes by itself.
+enforces (``tool_grammar.tool_call_grammar``), whatever format the model writes by itself.
 """
 
 from __future__ import annotations
