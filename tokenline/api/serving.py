@@ -53,7 +53,7 @@ from tokenline.frontend.request_state import RequestState, SequenceState, Sequen
 from tokenline.frontend.text_pool import INLINE_MAX_CHARS, TextWorkPool, text_size
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START
-from tokenline.frontend.tool_grammar import tool_call_grammar
+from tokenline.frontend.tool_grammar import strict_schema, tool_call_grammar
 from tokenline.frontend.tool_parsers import HERMES, tool_call_format
 from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.filters import OutputGuard
@@ -170,15 +170,32 @@ class OpenAIServing:
     ) -> SamplingParams:
         params = request.to_sampling_params()
         if tool_grammar is not None:
-            # tool_choice "required" or a named function: the answer is made of tool calls.
-            if params.structured_outputs is not None:
-                raise APIError.bad_request(
-                    "tool_choice required or a named function cannot be combined with response_format "
-                    "or structured_outputs",
-                    param="tool_choice",
-                )
+            # tool_choice "required" or a named function: the answer is made of tool calls, so the
+            # call's grammar replaces any output schema for this turn, as in vLLM (openai-agents
+            # sends both whenever an agent has an output type).
             params = dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=tool_grammar))
+        elif params.structured_outputs is not None and params.structured_outputs.json is not None:
+            params = dataclasses.replace(params, structured_outputs=self._strict_json(params.structured_outputs, request))
         return self.processor.resolve(params, prompt_ids, request.param_names, self.gateway.limits.max_tokens_cap)
+
+    @staticmethod
+    def _strict_json(spec: StructuredOutputs, request: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs:
+        """A JSON schema that holds only its declared keys unless it says otherwise: what vLLM's
+        default backend (xgrammar's strict mode) enforces, and what keeps a weak model from adding
+        keys until it runs out of tokens. Text that is not a JSON object is left to the grammar check."""
+        schema = spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                return spec
+        if not isinstance(schema, dict):
+            return spec
+        param = request.param_names.get("structured_outputs.json", "structured_outputs.json")
+        try:
+            return dataclasses.replace(spec, json=strict_schema(schema, param))
+        except SamplingParamsError as exc:
+            raise APIError.bad_request(str(exc), param=exc.param) from exc
 
     # --- starting and consuming a generation ---------------------------------------------------
 
