@@ -43,6 +43,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -164,4 +166,5 @@ def _request_output(prompt: str | None, state: RequestState) -> RequestOutput:
         for seq in state.in_order()
     ]
     usage = state.usage()
-    return RequestOutput(state.group_id, prompt, state.prompts[0], outputs, usage.cached_tokens)
+    first = state.in_order()[0]
+    return RequestOutput(state.group_id, prompt, state.prompts[0], outputs, usage.cached_tokens, first.prompt_logprobs)

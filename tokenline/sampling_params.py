@@ -102,13 +102,14 @@ class SamplingParams:
     repetition_penalty: float | None = None  # 1.0 disables
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length; 0: the prompt only (to score it)
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # applied by the frontend, never the engine
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top k
+    prompt_logprobs: int | None = None  # each prompt token's logprob (and rank), plus the top k there
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
@@ -138,16 +139,18 @@ class SamplingParams:
             raise SamplingParamsError(
                 "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"
             )
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise SamplingParamsError("max_tokens", f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise SamplingParamsError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingParamsError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputs")
         if self.logit_bias:

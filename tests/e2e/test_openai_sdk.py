@@ -446,8 +446,8 @@ def test_errors_through_the_sdk(client: openai.OpenAI) -> None:
         chat(client, max_completion_tokens=10**6)
     assert info.value.response.json()["error"]["param"] == "max_completion_tokens"
     with pytest.raises(openai.BadRequestError) as info:
-        complete(client, echo=True, max_tokens=2)
-    assert info.value.response.json()["error"]["param"] == "echo"
+        complete(client, suffix="the end", max_tokens=2)
+    assert info.value.response.json()["error"]["param"] == "suffix"
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, max_tokens=2, extra_body={"no_such_field": 1})
     assert "no_such_field" in info.value.message

@@ -41,3 +41,15 @@ def test_a_failure_reaches_the_waiting_consumer() -> None:
             await asyncio.wait_for(waiter, 1)
 
     asyncio.run(scenario())
+
+
+def test_prompt_logprobs_survive_a_merge() -> None:
+    async def scenario() -> None:
+        collector = OutputCollector(["a"])
+        scores = [None, TokenLogprobs(-1.0, rank=2)]
+        collector.put(EngineOutput("a", [3], prompt_logprobs=scores))  # only the first output has them
+        collector.put(EngineOutput("a", [4]))
+        (merged,) = await collector.get()
+        assert merged.new_token_ids == [3, 4] and merged.prompt_logprobs == scores
+
+    asyncio.run(scenario())

@@ -93,6 +93,15 @@ def test_logprobs_and_structured_outputs_map_onto_vllm_fields() -> None:
     assert error.value.param == "structured_outputs"
 
 
+def test_prompt_scoring_is_refused_rather_than_dropped() -> None:
+    # The upstream stream carries generated tokens only: prompt logprobs (and a prompt-only request,
+    # echo's max_tokens 0) would come back without them.
+    for fields in ({"prompt_logprobs": 1}, {"max_tokens": 0}):
+        with pytest.raises(UnmappableRequest) as error:
+            completion_body(_request(**fields), "m")
+        assert error.value.param == "prompt_logprobs"
+
+
 def test_recorded_vllm_stream_becomes_token_outputs_then_one_final_output_with_usage() -> None:
     clock = iter([1.0, 2.0, 3.0, 4.0])
     decoder = StreamDecoder(_request(max_tokens=4), clock=lambda: next(clock))

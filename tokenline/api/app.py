@@ -441,6 +441,8 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
                 tokens = serving.processor.encode(body.prompt or "", add_special_tokens=body.use_special_tokens)
             # Serialized here too: FastAPI's encoder takes seconds over a million ids.
             payload = {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
+            if body.return_token_strs:  # vLLM's: each token's string in the vocabulary (e.g. "Ġworld")
+                payload["token_strs"] = [tokenizer.id_to_token(t) or "" for t in tokens]
             return json.dumps(payload, separators=(",", ":")).encode()
 
         # Off the event loop, bounded (frontend/text_pool.py): a 4 MB body must not stall /health.

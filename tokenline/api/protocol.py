@@ -61,6 +61,7 @@ __all__ = [
     "DetokenizeResponse",
     "ModelCard",
     "ModelList",
+    "PromptLogprob",
     "PromptTokensDetails",
     "StreamOptions",
     "TokenizeRequest",
@@ -227,9 +228,10 @@ UNSUPPORTED_CHAT_FIELDS: tuple[_Unsupported, ...] = (
     _Unsupported("web_search_options", _unset, "web search"),
 )
 UNSUPPORTED_COMPLETION_FIELDS: tuple[_Unsupported, ...] = (
-    _Unsupported("echo", lambda v: not v, "echoing the prompt"),
     _Unsupported("suffix", lambda v: not v, "insertion (suffix)"),
 )
+# Older vLLM's spelling of structured_outputs (deprecated there too): each an alias of one kind.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class StructuredOutputsField(_Request):
@@ -302,8 +304,37 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served earlier, as in vLLM
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's: the prompt's own logprobs, the prompt kept to its last k tokens, logprob tokens
+    # spelled "token_id:N", and the prompt (completions) or the last message (chat) echoed.
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
+    echo: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted and ignored: they choose how a constraint is enforced, not what it allows (vLLM's
+    # default backend ignores a whitespace pattern too).
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = ()
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            whole = "; -1 (the whole vocabulary) is not supported" if value == -1 else ""
+            raise _invalid(f"must be in [0, {MAX_LOGPROBS}]{whole}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value != -1 and value < 1:
+            raise _invalid("must be -1 (keep the model's context) or at least 1")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -340,6 +371,8 @@ class _GenerationRequest(_Request):
             raise APIError.bad_request(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        if self.stream and self.prompt_logprobs:  # as vLLM: a stream has no place for them
+            raise APIError.bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -358,11 +391,40 @@ class _GenerationRequest(_Request):
         """This request's names for SamplingParams' fields, where they differ (for error messages)."""
         raise NotImplementedError
 
+    @property
+    def guided_fields(self) -> list[str]:
+        """The deprecated guided_* constraint fields this request sets."""
+        return [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+
+    def _guided_param_names(self) -> dict[str, str]:
+        """Errors about the constraint name the guided_* field that gave it."""
+        guided = self.guided_fields
+        if not guided:
+            return {}
+        return {"structured_outputs": guided[0], f"structured_outputs.{guided[0].removeprefix('guided_')}": guided[0]}
+
     def structured_spec(self) -> StructuredOutputs | None:
-        """The constraint the request asks for, if any."""
+        """The constraint the request asks for, if any: structured_outputs or one guided_* alias."""
+        guided = self.guided_fields
+        if len(guided) > 1:
+            raise APIError.bad_request(f"only one of {', '.join(guided)} may be set", param=guided[1])
+        if guided and self.structured_outputs is not None:
+            raise APIError.bad_request(
+                f"{guided[0]} and structured_outputs cannot both be set ({guided[0]} is the deprecated "
+                f"spelling of structured_outputs.{guided[0].removeprefix('guided_')})",
+                param=guided[0],
+            )
+        if guided:
+            name = guided[0]
+            try:
+                return StructuredOutputs(**{name.removeprefix("guided_"): getattr(self, name)})
+            except SamplingParamsError as exc:
+                raise APIError.bad_request(str(exc), param=name) from exc
         return self.structured_outputs.to_spec() if self.structured_outputs is not None else None
 
-    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Map onto SamplingParams; the request processor then fits ``max_tokens`` to the context
         (unset: up to the context). The caller runs check() first (with what this server supports)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -385,6 +447,7 @@ class _GenerationRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=self.structured_spec(),
             )
@@ -478,6 +541,7 @@ class ChatCompletionRequest(_GenerationRequest):
         """This request's names for SamplingParams' fields, for error messages."""
         max_tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         names = {"max_tokens": max_tokens, "logprobs": "top_logprobs", "prompt": "messages"}
+        names |= self._guided_param_names()
         if self.response_format is not None:  # the constraint came from response_format
             names |= {"structured_outputs": "response_format",
                       "structured_outputs.json": "response_format.json_schema.schema"}
@@ -490,6 +554,9 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError.bad_request(
                 "response_format and structured_outputs cannot both be set", param="structured_outputs"
             )
+        if self.response_format is not None and self.guided_fields:
+            name = self.guided_fields[0]
+            raise APIError.bad_request(f"response_format and {name} cannot both be set", param=name)
         if self.response_format is not None:
             try:
                 return _response_format_spec(self.response_format)
@@ -502,23 +569,31 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._sampling_params(
             max_tokens=self.requested_max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    def echo_text(self) -> str:
+        """vLLM's chat ``echo``: the last message's text goes before the answer when that message
+        has the role being answered (the assistant's, or with add_generation_prompt false, its own)."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return (last.text() or "") if last.role == role else ""
 
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions (the legacy text completions API)."""
 
     prompt: PromptField
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: add BOS etc. when tokenizing a text prompt
     # vLLM's: each choice carries its token ids (deltas when streaming) and the prompt's (the first
-    # chunk of a stream); logprobs name tokens as "token_id:N". A router in front speaks these.
+    # chunk of a stream). A router in front speaks these (and return_tokens_as_token_ids).
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = UNSUPPORTED_COMPLETION_FIELDS
 
@@ -534,6 +609,11 @@ class CompletionRequest(_GenerationRequest):
 
     def check(self) -> None:
         super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError.bad_request(
+                "max_tokens must be at least 1 (0 only with echo, which returns the prompt without generating)",
+                param="max_tokens",
+            )
         if self.best_of is not None and self.best_of != self.n:
             # best_of > n means sampling extra candidates and ranking them, which we do not do.
             raise APIError.bad_request(
@@ -558,11 +638,17 @@ class CompletionRequest(_GenerationRequest):
 
     @property
     def param_names(self) -> dict[str, str]:
-        return {}  # the same names as SamplingParams
+        return self._guided_param_names()  # otherwise the same names as SamplingParams
 
     def to_sampling_params(self) -> SamplingParams:
-        """Map onto the engine's SamplingParams (shared by every prompt of the batch); raises `APIError` (400)."""
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        """Map onto the engine's SamplingParams (shared by every prompt of the batch); raises `APIError` (400).
+        With echo, logprobs cover the prompt too (vLLM: prompt_logprobs default to logprobs)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(
+            max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs
+        )
 
 
 class TokenizeRequest(_Request):
@@ -577,6 +663,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # rendered into the prompt as a chat with them would be
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary string too
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -723,6 +810,19 @@ class DeltaMessage(_Response):
     tool_calls: list[DeltaToolCall] | None = None
 
 
+class PromptLogprob(_Response):
+    """One token's entry in vLLM's ``prompt_logprobs`` (keyed by its id)."""
+
+    logprob: Logprob
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: entry} for the
+# prompt's own token and the top k at that position.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponseChoice(_Response):
     index: int
     message: AssistantMessage
@@ -731,7 +831,7 @@ class ChatCompletionResponseChoice(_Response):
 
 
 class ChatCompletionResponse(_Response):
-    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"system_fingerprint"})
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"system_fingerprint", "prompt_logprobs"})
 
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
@@ -740,6 +840,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (vLLM's extension)
 
 
 class ChatCompletionChunkChoice(_Response):
@@ -774,7 +875,7 @@ class CompletionLogprobs(_Response):
 class CompletionChoice(_Response):
     """A choice in a completion response and in a completion chunk (OpenAI uses one shape)."""
 
-    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids", "prompt_token_ids"})
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
 
     index: int
     text: str
@@ -782,6 +883,7 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs, or echo with logprobs (vLLM's)
 
 
 class CompletionResponse(_Response):
@@ -826,9 +928,12 @@ class ModelList(_Response):
 
 
 class TokenizeResponse(_Response):
+    _drop_if_none: ClassVar[frozenset[str]] = frozenset({"token_strs"})
+
     tokens: list[int]
     count: int
     max_model_len: int | None  # None while the model is loading
+    token_strs: list[str] | None = None  # with return_token_strs: the vocabulary's string of each token
 
 
 class DetokenizeResponse(_Response):

@@ -40,6 +40,8 @@ from tokenline.api.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     ToolCallItem,
     UsageInfo,
@@ -356,7 +358,7 @@ class OpenAIServing:
         gen = await self.start_chat(request, ctx)
         if request.stream:
             return _sse(self._chat_stream(gen, request))
-        return await _until_disconnect(self._chat_full(gen), raw)
+        return await _until_disconnect(self._chat_full(gen, request), raw)
 
     async def start_chat(
         self, request: ChatCompletionRequest, ctx: RequestContext, response_id: str | None = None
@@ -381,7 +383,9 @@ class OpenAIServing:
         # Tools render their schemas into the prompt: such a chat always goes to the pool.
         size = INLINE_MAX_CHARS if request.tools else text_size(messages)
         prompt_ids = await self.text_pool.run_sized(size, self.render_chat, request, ctx)
+        prompt_ids = self.processor.truncate(prompt_ids, request.truncate_prompt_tokens)
         self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
+        _note_deprecated(request, ctx)
         params = self._params(request, prompt_ids, tool_grammar)
         # A forced call is written in the grammar's format (Hermes'), the model's own calls in its format.
         tool_format = (HERMES if tool_grammar is not None else self.tool_format) if use_tools else None
@@ -391,10 +395,11 @@ class OpenAIServing:
             response_id=response_id, session_id=request.user,
         )
 
-    async def _chat_full(self, gen: _Generation) -> Response:
+    async def _chat_full(self, gen: _Generation, request: ChatCompletionRequest) -> Response:
         async for _ in self._updates(gen):
             pass
         want_logprobs = gen.params.logprobs is not None
+        as_ids, echo = request.return_tokens_as_token_ids, request.echo_text()
         choices = []
         for c in gen.state.in_order():
             message, finish_reason = AssistantMessage(content=c.stream.text), c.finish_reason
@@ -411,21 +416,26 @@ class OpenAIServing:
                     or None,
                 )
                 finish_reason = c.chat_output.finish_reason(finish_reason)
+            if echo:  # vLLM's: the last message's text, then the answer
+                message.content = echo + (message.content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
                     message=message,
-                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if want_logprobs else None,
+                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs, as_ids) if want_logprobs else None,
                     finish_reason=finish_reason,
                 )
             )
+        first = gen.state.in_order()[0]
         response = ChatCompletionResponse(
-            id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices, usage=gen.usage()
+            id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices, usage=gen.usage(),
+            prompt_logprobs=self._prompt_logprobs(first.prompt_logprobs, gen.state.prompts[0]),
         )
         return JSONResponse(response.model_dump())
 
     def _chat_stream(self, gen: _Generation, request: ChatCompletionRequest) -> AsyncIterator[str]:
         want_logprobs = gen.params.logprobs is not None
+        as_ids, echo = request.return_tokens_as_token_ids, request.echo_text()
         sent_role: set[int] = set()  # choices whose first chunk (the role) went out
 
         def entries(update: SequenceUpdate) -> list[ChatCompletionChunkChoice]:
@@ -434,6 +444,8 @@ class OpenAIServing:
             if choice.index not in sent_role:
                 sent_role.add(choice.index)
                 out.append(ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(role="assistant", content="")))
+                if echo:  # vLLM sends the echoed text as a chunk of its own after the role's
+                    out.append(ChatCompletionChunkChoice(index=choice.index, delta=DeltaMessage(content=echo)))
             if not (delta or choice.finished or (want_logprobs and logprobs) or update.num_new_tokens):
                 return out
             # A token whose text is held back (half a character, a possible stop string) still gets
@@ -448,21 +460,23 @@ class OpenAIServing:
             entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
             if want_logprobs:
                 ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                entry.logprobs = self._chat_logprobs(ids, logprobs)
+                entry.logprobs = self._chat_logprobs(ids, logprobs, as_ids)
             return [*out, entry]
 
         return self._stream(gen, request, ChatCompletionChunk, entries)
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], as_ids: bool = False) -> ChatLogprobs:
+        """``as_ids``: tokens spelled ``token_id:N`` (vLLM's return_tokens_as_token_ids; bytes stay the token's)."""
+        name = _token_id_name if as_ids else self._token_text
         content = []
         for token_id, entry in zip(token_ids, logprobs):
             top = [
-                ChatTopLogprob(token=self._token_text(i), logprob=value, bytes=list(self.tokenizer.token_bytes(i)))
+                ChatTopLogprob(token=name(i), logprob=value, bytes=list(self.tokenizer.token_bytes(i)))
                 for i, value in entry.top
             ]
             content.append(
                 ChatLogprobToken(
-                    token=self._token_text(token_id),
+                    token=name(token_id),
                     logprob=entry.logprob,
                     bytes=list(self.tokenizer.token_bytes(token_id)),
                     top_logprobs=top,
@@ -481,85 +495,143 @@ class OpenAIServing:
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
             await self.gateway.screen_input(ctx, texts, "prompt")
         ctx.trace.mark("rendered")  # nothing to render for a text completion
-        prompts = await self.text_pool.run_sized(
+        whole = await self.text_pool.run_sized(
             text_size(raw_prompts),
             lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in raw_prompts],
         )
         ctx.trace.mark("tokenized")
+        prompts = [self.processor.truncate(p, request.truncate_prompt_tokens) for p in whole]
         for prompt_ids in prompts:
             self.processor.check_prompt(prompt_ids, "prompt")
+        _note_deprecated(request, ctx)
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
         params = self._params(request, max(prompts, key=len))
         gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user)
+        echoes = None
+        if request.echo:  # the caller's own text where it is whole, else the prompt's tokens decoded
+            decode = self.tokenizer.decode
+            echoes = [
+                text if isinstance(text, str) and len(ids) == len(full) else decode(ids, skip_special_tokens=False)
+                for text, ids, full in zip(raw_prompts, prompts, whole)
+            ]
         if request.stream:
-            return _sse(self._completion_stream(gen, request))
-        return await _until_disconnect(self._completion_full(gen, request), raw)
+            return _sse(self._completion_stream(gen, request, echoes))
+        return await _until_disconnect(self._completion_full(gen, request, echoes), raw)
 
-    async def _completion_full(self, gen: _Generation, request: CompletionRequest) -> Response:
+    async def _completion_full(
+        self, gen: _Generation, request: CompletionRequest, echoes: list[str] | None = None
+    ) -> Response:
+        """``echoes``: with echo, each prompt's text, put before its choices' text (and its tokens
+        before theirs in logprobs)."""
         async for _ in self._updates(gen):
             pass
         want_logprobs = gen.params.logprobs is not None
         want_ids, as_ids = request.return_token_ids, request.return_tokens_as_token_ids
-        response = CompletionResponse(
-            id=gen.response_id,
-            created=gen.created,
-            model=self.served_model_name,
-            choices=[
+        choices = []
+        for c in gen.state.in_order():
+            prompt = gen.state.prompts[c.prompt_index]
+            text, token_ids = c.stream.text, list(c.token_ids)
+            logprobs: list[TokenLogprobs | None] = list(c.logprobs)
+            if echoes is not None:
+                text = echoes[c.prompt_index] + text
+                token_ids = prompt + token_ids
+                logprobs = [*self._echoed_logprobs(c, prompt, gen.params.logprobs), *logprobs]
+            choices.append(
                 CompletionChoice(
                     index=c.index,
-                    text=c.stream.text,
-                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, 0, as_ids) if want_logprobs else None,
+                    text=text,
+                    logprobs=self._completion_logprobs(token_ids, logprobs, 0, as_ids) if want_logprobs else None,
                     finish_reason=c.finish_reason,
                     token_ids=list(c.token_ids) if want_ids else None,
-                    prompt_token_ids=gen.state.prompts[c.prompt_index] if want_ids else None,
+                    prompt_token_ids=prompt if want_ids else None,
+                    prompt_logprobs=self._prompt_logprobs(c.prompt_logprobs, prompt),
                 )
-                for c in gen.state.in_order()
-            ],
-            usage=gen.usage(),
+            )
+        response = CompletionResponse(
+            id=gen.response_id, created=gen.created, model=self.served_model_name, choices=choices, usage=gen.usage()
         )
         return JSONResponse(response.model_dump())
 
-    def _completion_stream(self, gen: _Generation, request: CompletionRequest) -> AsyncIterator[str]:
+    def _completion_stream(
+        self, gen: _Generation, request: CompletionRequest, echoes: list[str] | None = None
+    ) -> AsyncIterator[str]:
         want_logprobs = gen.params.logprobs is not None
         want_ids, as_ids = request.return_token_ids, request.return_tokens_as_token_ids
         text_offset: dict[int, int] = {}  # characters already streamed per choice (logprobs.text_offset)
         ids_sent: dict[int, int] = {}  # token ids already streamed per choice (return_token_ids)
+        echoed: set[int] = set()  # choices whose prompt went out (on their first chunk, as vLLM)
 
         def entries(update: SequenceUpdate) -> list[CompletionChoice]:
             choice, delta, logprobs = update.seq, update.text, update.logprobs
             sent = ids_sent.get(choice.index)
             new_ids = choice.token_ids[sent or 0 :] if want_ids else []
+            echo = echoes is not None and choice.index not in echoed
             # A token whose text is held back still gets its chunk (text ""), as in vLLM.
-            if not (delta or choice.finished or (want_logprobs and logprobs) or new_ids or update.num_new_tokens):
+            changed = delta or choice.finished or (want_logprobs and logprobs) or new_ids or update.num_new_tokens
+            if not (echo or changed):
                 return []
+            prompt = gen.state.prompts[choice.prompt_index]
+            ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+            entry_logprobs: list[TokenLogprobs | None] = list(logprobs)
+            if echo:
+                assert echoes is not None
+                echoed.add(choice.index)
+                delta = echoes[choice.prompt_index] + delta
+                ids = prompt + ids
+                entry_logprobs = [*self._echoed_logprobs(choice, prompt, gen.params.logprobs), *entry_logprobs]
             entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
             if want_ids:  # vLLM's shape: the delta's ids, and the prompt's on a choice's first chunk
                 entry.token_ids = list(new_ids)
-                entry.prompt_token_ids = gen.state.prompts[choice.prompt_index] if sent is None else None
+                entry.prompt_token_ids = prompt if sent is None else None
                 ids_sent[choice.index] = len(choice.token_ids)
             offset = text_offset.get(choice.index, 0)
             if want_logprobs:
-                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                entry.logprobs = self._completion_logprobs(ids, logprobs, offset, as_ids)
+                entry.logprobs = self._completion_logprobs(ids, entry_logprobs, offset, as_ids)
             text_offset[choice.index] = offset + len(delta)
             return [entry]
 
         return self._stream(gen, request, CompletionChunk, entries)
 
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int, as_ids: bool = False
+        self, token_ids: list[int], logprobs: Sequence[TokenLogprobs | None], offset: int, as_ids: bool = False
     ) -> CompletionLogprobs:
-        """``as_ids``: tokens spelled ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
-        name = (lambda i: f"token_id:{i}") if as_ids else self._token_text
+        """``as_ids``: tokens spelled ``token_id:N`` (vLLM's return_tokens_as_token_ids). A None entry
+        (an echoed prompt's first token, which nothing precedes) has no logprob."""
+        name = _token_id_name if as_ids else self._token_text
         result = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs):
             token = name(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append({name(i): v for i, v in entry.top})
+            result.token_logprobs.append(None if entry is None else entry.logprob)
+            result.top_logprobs.append(None if entry is None else {name(i): v for i, v in entry.top})
             result.text_offset.append(offset)
             offset += len(token)
         return result
+
+    @staticmethod
+    def _echoed_logprobs(seq: SequenceState, prompt: list[int], num_top: int | None) -> list[TokenLogprobs | None]:
+        """An echoed prompt's entries in a choice's logprobs: its prompt logprobs, each with the top
+        ``logprobs`` alternatives (the prompt's own may list more); None entries without them."""
+        scores = seq.prompt_logprobs or [None] * len(prompt)
+        return [None if e is None else TokenLogprobs(e.logprob, e.top[: num_top or 0], e.rank) for e in scores]
+
+    def _prompt_logprobs(self, scores: list[TokenLogprobs | None] | None, prompt: list[int]) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs``: per prompt token {id: {logprob, rank, decoded_token}} for the
+        token itself and then the top k (a token among those appears once)."""
+        if scores is None:
+            return None
+        out: PromptLogprobs = []
+        for token_id, entry in zip(prompt, scores):
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {str(token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                    decoded_token=self._token_text(token_id))}
+            for rank, (top_id, value) in enumerate(entry.top, start=1):
+                ranked.setdefault(str(top_id), PromptLogprob(logprob=value, rank=rank,
+                                                             decoded_token=self._token_text(top_id)))
+            out.append(ranked)
+        return out
 
     # --- small helpers -------------------------------------------------------------------------
 
@@ -593,6 +665,18 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _note_deprecated(request: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> None:
+    """guided_* work, but say where they went (vLLM deprecated them for structured_outputs)."""
+    guided = request.guided_fields
+    if guided:
+        ctx.response_headers["Deprecation"] = "true"
+        ctx.response_headers["Warning"] = f'299 - "{guided[0]} is deprecated; use structured_outputs"'
 
 
 def _message_texts(messages: list[dict[str, Any]]) -> list[str]:

@@ -115,6 +115,7 @@ def _merge_into(pending: EngineOutput, newer: EngineOutput) -> None:
     pending.new_token_ids.extend(newer.new_token_ids)
     if newer.new_logprobs:
         pending.new_logprobs = (pending.new_logprobs or []) + newer.new_logprobs
+    pending.prompt_logprobs = pending.prompt_logprobs or newer.prompt_logprobs
     pending.finish_reason = newer.finish_reason
     pending.stop_reason = newer.stop_reason
     pending.num_cached_tokens = newer.num_cached_tokens

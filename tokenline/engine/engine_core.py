@@ -153,7 +153,7 @@ class EngineCore:
         self._finish_record(record, self.scheduler.num_preemptions - preemptions_before)
         if self.check_integrity_every_step:
             self.scheduler.check_integrity()
-        return [self._output(r.request, r.new_token_ids, r.token) for r in results if r.token is not None]
+        return [self._output(r.request, r.new_token_ids, r.token) for r in results if r.token is not None or r.finished]
 
     def _poll_grammars(self) -> None:
         """Hand finished compilations to their requests; fail those whose compilation failed or
@@ -273,6 +273,7 @@ class EngineCore:
             request_id=request.request_id,
             new_token_ids=new_token_ids,
             new_logprobs=logprobs,
+            prompt_logprobs=request.take_prompt_logprobs(),
             finish_reason=finish,
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,

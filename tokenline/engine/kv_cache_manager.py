@@ -85,6 +85,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         self._hash_full_blocks(request)
+        if request.sampling.prompt_logprobs is not None:
+            return []  # it scores every prompt position, so it computes them all (as vLLM)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
         for block_hash in request.block_hashes[:max_blocks]:

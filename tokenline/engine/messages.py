@@ -59,6 +59,9 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # With the request's first output, when it asked for prompt logprobs: one entry per prompt
+    # token (logprob, rank, top k), None for the first token, which nothing precedes.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     num_prompt_tokens: int = 0

@@ -7,7 +7,7 @@ import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tokenline.engine.messages import EngineRequest, FinishReason, RequestTimings
+from tokenline.engine.messages import EngineRequest, FinishReason, RequestTimings, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +64,43 @@ class Request:
         self.grammar_future: Future[CompiledGrammar] | None = None
         self.grammar_submitted: float = 0.0  # when it was submitted (the engine's clock)
         self.grammar: GrammarState | None = None
+        # Prompt logprobs: the scores of prompt tokens 1, 2, ... as the chunks compute them, until
+        # they go out with the request's first output.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs_sent = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs that are not all computed yet."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and not self.prompt_logprobs_sent
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
+
+    def prompt_logprob_targets(self, start: int, end: int) -> list[int]:
+        """The prompt tokens that positions ``start ..`` of a chunk ``start .. end`` score: each
+        position's logits score the token after it, so the prompt's last position scores none."""
+        if not self.scores_prompt:
+            return []
+        return self.token_ids[start + 1 : min(end + 1, self.num_prompt_tokens)]
+
+    def add_prompt_logprobs(self, start: int, scores: list[TokenLogprobs]) -> None:
+        """The scores of the tokens after positions ``start ..``; those already held (a chunk
+        recomputed after a preemption) are skipped."""
+        held = len(self.prompt_logprobs)
+        if start <= held:
+            self.prompt_logprobs.extend(scores[held - start :])
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Once, when complete: one entry per prompt token, None for the first (nothing precedes it)."""
+        if self.sampling.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        if len(self.prompt_logprobs) < self.num_prompt_tokens - 1:
+            return None  # aborted before its prompt was computed
+        self.prompt_logprobs_sent = True
+        entries, self.prompt_logprobs = self.prompt_logprobs, []
+        return [None, *entries]
 
     @property
     def waiting_for_grammar(self) -> bool:

@@ -215,9 +215,16 @@ class Scheduler:
                 continue
             request.timings.num_steps += 1
             request.timings.num_shared_steps += shared
+            scores = batch.prompt_logprobs.get(seq.request_id)
+            if scores is not None:
+                request.add_prompt_logprobs(seq.start_pos, scores)
             if not seq.sample:
                 request.num_computed_tokens += seq.num_tokens
                 self.kv_cache.cache_full_blocks(request)
+                if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                    # Only the prompt was asked for (to score it): done, nothing generated.
+                    self._finish(request, FinishReason.LENGTH)
+                    results.append(StepResult(request, None, True, []))
                 continue  # a prefill chunk that does not reach the end yet
             token = sampled[seq.request_id]
             new_token_ids = self._accept(seq.draft_token_ids, token)
@@ -344,7 +351,7 @@ class Scheduler:
     def _scheduled_seq(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new - len(drafts)
-        sample = end == request.num_tokens
+        sample = end == request.num_tokens and request.max_tokens > 0
         params = request.sampling
         banned: tuple[int, ...] = ()
         if sample and request.num_output_tokens < params.min_tokens:
@@ -364,7 +371,8 @@ class Scheduler:
             draft_token_ids=drafts,
             restore_state_from=self.kv_cache.take_restore(request.request_id),
             state_checkpoints=self.kv_cache.plan_checkpoints(request, start, end),
-            next_token_id=None if sample else request.token_ids[end],
+            next_token_id=None if sample or end == request.num_tokens else request.token_ids[end],
+            prompt_logprob_targets=request.prompt_logprob_targets(start, end),
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -111,6 +111,19 @@ class InputProcessor:
             )
         return list(prompt)
 
+    def truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as the
+        model's context holds; None: all of them). The prompt is checked afterwards, as it is."""
+        if keep is None:
+            return prompt_ids
+        max_model_len = self.max_model_len
+        if keep > max_model_len:
+            raise PromptError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens ({keep}) is greater than this model's context of {max_model_len} tokens",
+            )
+        return prompt_ids[-(max_model_len if keep == -1 else keep) :]
+
     def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
         """The one check of a prompt against the model: not empty, ids in the vocabulary, room for
         at least one generated token in the context."""

@@ -27,6 +27,7 @@ class SequenceState:
     chat_output: ChatOutputParser | None = None  # reasoning / tool-call split of a chat choice
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked: one entry per prompt token
     finish_reason: str | None = None  # set once the text has ended
     num_cached_tokens: int = 0
     # The engine's final word (it may come after the text ended, e.g. after a stop string).
@@ -108,6 +109,8 @@ class RequestState:
         seq = self.sequences[output.request_id]
         if output.finished:
             seq.engine_final = output
+        if output.prompt_logprobs is not None:
+            seq.prompt_logprobs = output.prompt_logprobs
         if seq.finished:
             return SequenceUpdate(seq, "", [], 0)  # the text already ended; the engine is catching up
         seq.num_cached_tokens = output.num_cached_tokens

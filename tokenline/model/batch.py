@@ -26,10 +26,13 @@ FUSED_DECODE_ROWS = 64
 
 @dataclass
 class TokenLogprobs:
-    """Log-probability of a generated token and, when asked, the top alternatives at that step."""
+    """Log-probability of a token (generated, or a prompt token scored) and, when asked, the top
+    alternatives at that position. ``rank``: the token's place in the vocabulary by probability
+    (1 = the most likely), given for prompt tokens (vLLM's ``prompt_logprobs``)."""
 
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -58,6 +61,10 @@ class ScheduledSeq:
     # A chunk that does not sample: the known token after it (a draft head, MTP, needs the token
     # after every position it reads).
     next_token_id: int | None = None
+    # Prompt logprobs: the known tokens after the chunk's first len(...) positions, to be scored
+    # from those positions' logits (the top sampling.prompt_logprobs beside each); the runner
+    # answers in ScheduledBatch.prompt_logprobs.
+    prompt_logprob_targets: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +81,9 @@ class ScheduledSeq:
 @dataclass
 class ScheduledBatch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Filled by the runner: request id -> the scores of its ScheduledSeq.prompt_logprob_targets, in
+    # order. Here rather than in the sampled tokens because a prompt chunk that samples nothing has them.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from tokenline.model.gated_deltanet import copy_state_slots
 from tokenline.model.interface import Cache
 from tokenline.model.loader import load_model
 from tokenline.model.mtp_drafter import MtpDrafter
+from tokenline.model.prompt_logprobs import score_tokens
 from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 
 
@@ -86,6 +87,8 @@ class ModelRunner:
         ends = [(slot, s.state_slot) for s in seqs for offset, slot in s.state_checkpoints if offset == s.num_tokens]
         if ends:
             self._copy_states([(src, dst) for dst, src in ends])
+        if any(s.prompt_logprob_targets for s in seqs):
+            batch.prompt_logprobs = self._score_prompts(seqs, hidden)
         if not sampling_seqs:
             if self.mtp is not None:
                 self.mtp.draft(seqs, hidden, {})  # prefill chunks: the head's KV keeps up
@@ -105,6 +108,21 @@ class ModelRunner:
         if self.mtp is not None:
             self.mtp.draft(seqs, hidden, tokens)  # the next step's drafts, from the model's MTP head
         return tokens
+
+    def _score_prompts(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Prompt logprobs: each asking sequence's known next tokens scored from its chunk's rows
+        (the flat batch holds the sequences in ``seqs`` order, as ``_prepare`` laid them out)."""
+        scores = {}
+        start = 0
+        for s in seqs:
+            targets = s.prompt_logprob_targets
+            if targets:
+                rows = hidden[start : start + len(targets)]
+                ids = torch.tensor(list(targets), dtype=torch.long, device=self.device)
+                scores[s.request_id] = score_tokens(self.model.compute_logits, rows, ids,
+                                                    s.sampling.prompt_logprobs or 0, self.sampler.vocab_size)
+            start += s.num_tokens
+        return scores
 
     @staticmethod
     def _keep_accepted_states(

@@ -93,6 +93,8 @@ def completion_body(request: EngineRequest, model: str) -> dict[str, Any]:
         "frequency_penalty": params.frequency_penalty,
         "skip_special_tokens": params.skip_special_tokens,
     }
+    if params.prompt_logprobs is not None or params.max_tokens == 0:
+        raise UnmappableRequest("prompt_logprobs", "prompt logprobs (and echo's scoring) cannot be sent to an upstream yet")
     if params.max_tokens is not None:
         body["max_tokens"] = params.max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
