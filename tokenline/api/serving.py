@@ -270,21 +270,22 @@ class OpenAIServing:
         return update
 
     async def _screen_output(self, gen: _Generation, update: SequenceUpdate) -> None:
-        """Run the output filters over a choice's new text; a flag ends the choice before the
-        flagged text (what a stream already sent stays sent) and aborts its engine request."""
-        seq = update.seq
-        if gen.guard is None or not (update.text or seq.finished):
+        """Run the output filters over a choice's new text, then let out what they passed but the
+        guard's hold-back, with only the tokens wholly within that text. A flag ends the choice
+        before the flagged text (what a stream already sent stays sent) and aborts its engine
+        request; the tokens of the cut text never leave, as text, logprobs or ids."""
+        seq, guard = update.seq, gen.guard
+        if guard is None:
             return
-        text = seq.stream.text
-        start = len(text) - len(update.text)
-        decision = await gen.guard.check(seq.request_id, text, start, seq.finished)
-        if decision is None:
-            return
-        cut = start if decision.offset is None else decision.offset
-        seq.cut(cut, decision.filter)
-        update.text = text[start:cut] if cut > start else ""
-        if seq.engine_final is None:
-            self.client.abort([seq.request_id])
+        if update.text or seq.finished:
+            text = seq.stream.text
+            start = len(text) - len(update.text)
+            decision = await guard.check(seq.request_id, text, start, seq.finished)
+            if decision is not None:
+                seq.cut(start if decision.offset is None else decision.offset, decision.filter)
+                if seq.engine_final is None:
+                    self.client.abort([seq.request_id])
+        update.text, update.token_ids, update.logprobs = seq.release(guard.holdback)
 
     async def _settle(self, gen: _Generation, status: str, abort_reason: str | None = None) -> None:
         """Write the request's receipt once the engine has said its last word on every sequence.
@@ -418,8 +419,7 @@ class OpenAIServing:
                     return out  # a parser holds the text back (a tool call in the making): no empty delta
             entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
             if want_logprobs:
-                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                entry.logprobs = self._chat_logprobs(ids, logprobs)
+                entry.logprobs = self._chat_logprobs(update.token_ids, logprobs)
             return [*out, entry]
 
         return self._stream(gen, request, ChatCompletionChunk, entries)
@@ -494,24 +494,22 @@ class OpenAIServing:
         want_logprobs = gen.params.logprobs is not None
         want_ids, as_ids = request.return_token_ids, request.return_tokens_as_token_ids
         text_offset: dict[int, int] = {}  # characters already streamed per choice (logprobs.text_offset)
-        ids_sent: dict[int, int] = {}  # token ids already streamed per choice (return_token_ids)
+        started: set[int] = set()  # choices whose first chunk went out (with the prompt's ids)
 
         def entries(update: SequenceUpdate) -> list[CompletionChoice]:
             choice, delta, logprobs = update.seq, update.text, update.logprobs
-            sent = ids_sent.get(choice.index)
-            new_ids = choice.token_ids[sent or 0 :] if want_ids else []
+            new_ids = update.token_ids if want_ids else []
             # A token whose text is held back still gets its chunk (text ""), as in vLLM.
             if not (delta or choice.finished or (want_logprobs and logprobs) or new_ids or update.num_new_tokens):
                 return []
             entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
             if want_ids:  # vLLM's shape: the delta's ids, and the prompt's on a choice's first chunk
                 entry.token_ids = list(new_ids)
-                entry.prompt_token_ids = gen.state.prompts[choice.prompt_index] if sent is None else None
-                ids_sent[choice.index] = len(choice.token_ids)
+                entry.prompt_token_ids = gen.state.prompts[choice.prompt_index] if choice.index not in started else None
+                started.add(choice.index)
             offset = text_offset.get(choice.index, 0)
             if want_logprobs:
-                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                entry.logprobs = self._completion_logprobs(ids, logprobs, offset, as_ids)
+                entry.logprobs = self._completion_logprobs(update.token_ids, logprobs, offset, as_ids)
             text_offset[choice.index] = offset + len(delta)
             return [entry]
 

@@ -104,6 +104,7 @@ class Gateway:
         log_prompts: bool = False,
         content_filters: tuple[ContentFilter, ...] = (),
         progress_interval_s: float = 1.0,
+        filter_holdback: int | None = None,
     ) -> None:
         self.metrics = metrics
         self.keys = keys
@@ -118,6 +119,7 @@ class Gateway:
         # crash loses at most this much of what a request produced.
         self.progress_interval_s = progress_interval_s
         self.content_filters = content_filters  # the default of tenants without their own
+        self.filter_holdback = filter_holdback  # characters of output held back; None: each filter's own
         self.events: LiveEvents | None = None  # the live stream (GET /v1/events), when the app has one
         for f in (*content_filters, *(f for t in (keys.tenants if keys else ()) for f in t.content_filters or ())):
             metrics.declare_filter(f.name, sorted(f.stages), VERDICTS)
@@ -234,7 +236,9 @@ class Gateway:
     def output_guard(self, ctx: RequestContext) -> OutputGuard | None:
         """The tenant's output filters for one request; None when it has none."""
         filters = [f for f in self.filters_for(ctx.tenant) if "output" in f.stages]
-        return OutputGuard(filters, lambda d: self.filter_decided(ctx, "output", d)) if filters else None
+        if not filters:
+            return None
+        return OutputGuard(filters, lambda d: self.filter_decided(ctx, "output", d), self.filter_holdback)
 
     def filter_decided(self, ctx: RequestContext, stage: str, decision: Decision) -> None:
         self.metrics.content_filter.labels(decision.filter, stage, decision.verdict).inc()
