@@ -42,6 +42,7 @@ from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_protocol import ResponsesRequest
 from tokenline.api.body_check import reject_invalid_unicode
 from tokenline.api.dashboard import install_dashboard
+from tokenline.api.head_requests import HeadAsGet
 from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
 from tokenline.api.passthrough import PassthroughServing
 from tokenline.api.serving import OpenAIServing
@@ -281,7 +282,9 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     client.add_step_listener(gateway.events.on_step)
     install_dashboard(app, gateway.events, keys is not None, served_model_name)
 
-    # The only middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
+    # HEAD wherever GET is served (api/head_requests.py), inside the door: it sees the real method.
+    app.add_middleware(HeadAsGet)
+    # The outer middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
     app.add_middleware(
         Door, max_request_bytes=gateway.limits.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics,
         policy=door_policy(settings),
@@ -396,11 +399,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     async def admin_usage(request: Request, since: str | None = None, until: str | None = None,
                           tenant: str | None = None) -> dict[str, Any]:
         require_admin(request)
-        try:
-            start = parse_time(since) if since else None
-            end = parse_time(until) if until else None
-        except ValueError as exc:
-            raise APIError.bad_request(str(exc), param="since" if since else "until") from exc
+        start, end = admin_time(since, "since"), admin_time(until, "until")
         rows = await asyncio.to_thread(ledger.summary, start, end, tenant)
         return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
 
@@ -414,6 +413,12 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         except Exception as exc:  # noqa: BLE001
             raise APIError.bad_request(f"the keys file is invalid; the previous tenants stay: {exc}") from exc
         return {"tenants": len(tenants)}
+
+    def admin_time(value: str | None, param: str) -> float | None:
+        try:
+            return parse_time(value) if value else None
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), param=param) from exc
 
     def require_admin(request: Request) -> None:
         tenant = request.state.tenant
