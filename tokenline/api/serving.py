@@ -351,7 +351,7 @@ class OpenAIServing:
         use_tools = bool(request.tools) and request.tool_choice != "none" and self.tool_call_parser is not None
         # Tools render their schemas into the prompt: such a chat always goes to the pool.
         size = INLINE_MAX_CHARS if request.tools else text_size(messages)
-        prompt_ids = await self.text_pool.run_sized(size, self.render_chat, request, ctx)
+        prompt_ids = await self.text_pool.run_sized(size, lambda: self.render_chat(request, ctx), ctx.tenant_name)
         self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
         tool_grammar = None
         if use_tools:
@@ -455,6 +455,7 @@ class OpenAIServing:
         prompts = await self.text_pool.run_sized(
             text_size(raw_prompts),
             lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in raw_prompts],
+            ctx.tenant_name,
         )
         ctx.trace.mark("tokenized")
         for prompt_ids in prompts:
