@@ -258,6 +258,9 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         header_timeout=args.header_timeout or None,
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections or None,
+        filter_holdback=args.filter_holdback,
+        max_tokenize_bytes=args.max_tokenize_bytes,
+        traces_per_tenant=args.traces_per_tenant,
     )
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
@@ -617,6 +620,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _filter_holdback(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto or a number of characters (0 or more), got {text!r}")
+    return int(text)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def cmd_keys_add(args: argparse.Namespace) -> int:
     from tokenline.gateway.keys import KeyFileError, add_key
 
@@ -651,6 +668,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-prompts", action="store_true", help="include user text in logs (off by default)")
     p.add_argument("--content-filter", default=None, metavar="FILE",
                    help="safety filters (TOML or JSON [[content_filter]] tables) for tenants without their own")
+    p.add_argument("--filter-holdback", type=_filter_holdback, default=None, metavar="auto|N",
+                   help="characters of output a stream holds back for the output filters (default auto: the "
+                        "longest blocklist word less one, so a listed word is never streamed in part)")
+    p.add_argument("--traces-per-tenant", type=_positive_int, default=10_000,
+                   help="request traces kept per tenant (refused requests: a tenth as many, apart)")
     p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_FORMATS),
                    help="split <think>...</think> into the message's reasoning_content (deepseek_r1: the answer "
                         "starts in the thought, only </think> may appear)")
@@ -659,6 +681,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "<tool_call>{...}</tool_call>, llama3_json {\"name\": ..., \"parameters\": ...}, "
                         "pythonic [f(x=1)]")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get a 413")
+    p.add_argument("--max-tokenize-bytes", type=_positive_int, default=1024 * 1024,
+                   help="larger /tokenize and /detokenize bodies get a 413 (at most --max-request-bytes)")
     p.add_argument("--max-messages", type=int, default=1024, help="most messages in one chat request")
     p.add_argument(
         "--max-tokens-cap", type=int, default=None,

@@ -11,6 +11,7 @@ with "The sky is a beautiful shade of blue. …", as tenant B's unfiltered answe
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from tests.gateway.moderation_server import ModerationServer, moderation_server
 from tokenline.gateway.keys import hash_key
 
 MODEL = "SmolLM2-135M-Instruct"
-KEYS = {"a": "tl-filter-a", "b": "tl-filter-b", "c": "tl-filter-c", "d": "tl-filter-d", "ops": "tl-filter-ops"}
+KEYS = {"a": "tl-filter-a", "b": "tl-filter-b", "c": "tl-filter-c", "d": "tl-filter-d", "e": "tl-filter-e",
+        "ops": "tl-filter-ops"}
 SKY = [{"role": "user", "content": "What colour is the sky?"}]
 BEFORE_BLUE = "The sky is a beautiful shade of "  # greedy text up to the flagged word (8 tokens)
 MAX_TOKENS = 24
@@ -58,6 +60,14 @@ class FilterServer:
     def metrics(self) -> dict[str, float]:
         """/metrics samples, read with the admin key: with keys configured, /metrics is not for everyone."""
         return self.server.metrics(KEYS["ops"])
+
+    def events(self, tenant: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """A streamed answer's ``data:`` payloads (Responses API: each event's data)."""
+        with httpx.stream("POST", f"{self.server.base_url}{path}", json={**body, "stream": True}, timeout=120,
+                          headers={"Authorization": f"Bearer {KEYS[tenant]}"}) as response:
+            assert response.status_code == 200, response.read()
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        return [json.loads(line) for line in lines if line != "[DONE]"]
 
     def trace(self, tenant: str, request_id: str) -> dict[str, Any]:
         response = httpx.get(f"{self.server.base_url}/v1/requests/{request_id}/trace",
@@ -108,6 +118,15 @@ content_filter = []
 [[tenant]]
 name = "c"
 key_sha256 = "{hash_key(KEYS["c"])}"
+
+[[tenant]]
+name = "e"
+key_sha256 = "{hash_key(KEYS["e"])}"
+[[tenant.content_filter]]
+type = "blocklist"
+name = "house-phrases"
+words = ["shade of blue"]
+stages = ["output"]
 
 [[tenant]]
 name = "ops"
@@ -259,3 +278,54 @@ def test_responses_api_is_filtered_alike(filtered: FilterServer) -> None:
     assert (body["status"], body["incomplete_details"]) == ("incomplete", {"reason": "content_filter"})
     [message] = [item for item in body["output"] if item["type"] == "message"]
     assert message["content"][0]["text"] == BEFORE_BLUE
+
+
+def test_cut_text_leaves_no_logprobs_and_no_token_ids(filtered: FilterServer) -> None:
+    """The tokens of text a filter cut never leave the server: not as logprobs, not as token ids
+    (which /detokenize would spell), in full answers and streams of both APIs alike. The token
+    " blue" straddles the cut (its space is shown, its word cut): it is withheld whole."""
+    tokens = BEFORE_BLUE.rstrip()
+    chat = {"model": MODEL, "messages": SKY, "temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": True,
+            "top_logprobs": 1}
+    full = filtered.post("a", "/v1/chat/completions", chat).json()["choices"][0]
+    assert (full["message"]["content"], full["finish_reason"]) == (BEFORE_BLUE, "content_filter")
+    assert "".join(t["token"] for t in full["logprobs"]["content"]) == tokens
+
+    chunks = [c["choices"][0] for c in filtered.events("a", "/v1/chat/completions", chat) if c["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == BEFORE_BLUE
+    streamed = [t["token"] for c in chunks if c.get("logprobs") for t in c["logprobs"]["content"]]
+    assert "".join(streamed) == tokens
+
+    # The same prompt as token ids: completions with logprobs and return_token_ids.
+    prompt = filtered.post("a", "/tokenize", {"model": MODEL, "messages": SKY}).json()["tokens"]
+    completion = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": 1,
+                  "return_token_ids": True}
+    [choice] = filtered.post("a", "/v1/completions", completion).json()["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (BEFORE_BLUE, "content_filter")
+    assert "".join(choice["logprobs"]["tokens"]) == tokens
+    spelled = filtered.post("a", "/detokenize", {"model": MODEL, "tokens": choice["token_ids"]}).json()["prompt"]
+    assert spelled == tokens
+
+    chunks = [c["choices"][0] for c in filtered.events("a", "/v1/completions", completion) if c["choices"]]
+    assert "".join(c["text"] for c in chunks) == BEFORE_BLUE
+    assert "".join(t for c in chunks if c.get("logprobs") for t in c["logprobs"]["tokens"]) == tokens
+    ids = [i for c in chunks for i in c.get("token_ids") or []]
+    assert filtered.post("a", "/detokenize", {"model": MODEL, "tokens": ids}).json()["prompt"] == tokens
+
+
+def test_a_listed_phrase_never_streams_in_part(filtered: FilterServer) -> None:
+    """"shade of blue" arrives as three tokens: the stream holds back the longest listed phrase less
+    one character (--filter-holdback auto), so " shade" and " of" are not sent before "blue" trips
+    the filter: the stream says exactly what the full answer says."""
+    before = BEFORE_BLUE.removesuffix("shade of ")
+    chat = {"model": MODEL, "messages": SKY, "temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": True}
+    full = filtered.post("e", "/v1/chat/completions", chat).json()["choices"][0]
+    assert (full["message"]["content"], full["finish_reason"]) == (before, "content_filter")
+    chunks = [c["choices"][0] for c in filtered.events("e", "/v1/chat/completions", chat) if c["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == before
+    assert "".join(t["token"] for c in chunks if c.get("logprobs") for t in c["logprobs"]["content"]) == before.rstrip()
+    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == ["content_filter"]
+    events = filtered.events("e", "/v1/responses", {"model": MODEL, "input": SKY, "temperature": 0,
+                                                    "max_output_tokens": MAX_TOKENS, "store": False})
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == before
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "content_filter"}

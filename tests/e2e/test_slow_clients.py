@@ -44,7 +44,8 @@ def guarded(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -
     metrics_port = free_port()
     with start_server(tmp_path_factory.mktemp("slow-clients"), "--api-key", KEY,
                       "--header-timeout", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
-                      "--metrics-port", str(metrics_port)) as server:
+                      "--metrics-port", str(metrics_port),
+                      "--max-tokenize-bytes", str(4 * 1024 * 1024)) as server:  # the 3.8 MB bodies below
         yield Guarded(server, f"http://127.0.0.1:{metrics_port}/metrics")
 
 

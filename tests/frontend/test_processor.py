@@ -86,6 +86,46 @@ def test_output_side_text_stop_strings_and_usage(processor: InputProcessor) -> N
     assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (3, 2, len(ids) + 1)
 
 
+def test_a_filter_cut_takes_back_the_tokens_of_the_cut_text(processor: InputProcessor) -> None:
+    tokenizer = processor.tokenizer
+    text = " The xylophone is here, \U0001F3B5 and more"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for cut in (len(" The"), len(" The xyl"), len(" The xylophone is here, "), len(text) - 2):
+        state = processor.fan_out("g", [[1, 2, 3]], SamplingParams(max_tokens=50, logprobs=0))
+        [rid] = state.request_ids
+        state.absorb(EngineOutput(rid, list(ids), [TokenLogprobs(-0.1) for _ in ids], num_output_tokens=len(ids)))
+        seq = state.sequences[rid]
+        seq.cut(cut, "house-words")
+        shown = tokenizer.decode(seq.token_ids)
+        # Only tokens wholly before the cut: none that spells (part of) what was cut.
+        assert text[:cut].startswith(shown) and len(shown) > cut - 8, (cut, shown)
+        assert "\ufffd" not in shown and len(seq.logprobs) == len(seq.token_ids)
+        assert seq.stream.text == text[:cut] and seq.finish_reason == "content_filter"
+        assert state.usage().completion_tokens == len(ids)  # what the engine produced is still billed
+
+
+def test_a_filtered_stream_holds_text_back_and_shows_only_tokens_within_it(processor: InputProcessor) -> None:
+    tokenizer = processor.tokenizer
+    text = " The sky is a beautiful shade of blue \U0001F3B5 today"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    state = processor.fan_out("g", [[1, 2, 3]], SamplingParams(max_tokens=50, logprobs=0))
+    [rid] = state.request_ids
+    seq = state.sequences[rid]
+    shown_text, shown_ids = "", []
+    for i, token_id in enumerate(ids):
+        last = i == len(ids) - 1
+        state.absorb(EngineOutput(rid, [token_id], [TokenLogprobs(-0.1)], num_output_tokens=i + 1,
+                                  finish_reason=FinishReason.LENGTH if last else None))
+        delta, new_ids, logprobs = seq.release(12)
+        shown_text += delta
+        shown_ids += new_ids
+        assert len(logprobs) == len(new_ids)
+        if not last:
+            assert len(shown_text) == max(0, len(seq.stream.text) - 12)  # the last 12 characters wait
+            assert shown_text.startswith(tokenizer.decode(shown_ids))  # ids never run ahead of the text
+    assert shown_text == text and shown_ids == ids  # everything once the text ended
+
+
 def test_a_constraint_is_validated_and_starts_after_the_reasoning(
     processor: InputProcessor, qwen_tokenizer_dir: Path
 ) -> None:

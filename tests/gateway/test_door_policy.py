@@ -51,14 +51,37 @@ def test_the_connection_cap_spares_the_probes() -> None:
     assert not DoorPolicy().over_capacity("/v1/models", 10_000)
 
 
+def _admitted(store: TraceStore, trace: RequestTrace) -> RequestTrace:
+    store.add(trace)
+    store.admit(trace)
+    return trace
+
+
 def test_traces_are_keyed_by_tenant_and_id() -> None:
-    store = TraceStore(capacity=3)
-    alice, bob = RequestTrace("same", tenant="alice"), RequestTrace("same", tenant="bob")
-    store.add(alice)
-    store.add(bob)
+    store = TraceStore(per_tenant=3)
+    alice = _admitted(store, RequestTrace("same", tenant="alice"))
+    bob = _admitted(store, RequestTrace("same", tenant="bob"))
     assert store.get("alice", "same") is alice and store.get("bob", "same") is bob
     assert store.get("carol", "same") is None
     assert store.newest_with_id("same") is bob
     for i in range(3):
-        store.add(RequestTrace(f"r{i}", tenant="alice"))
+        _admitted(store, RequestTrace(f"r{i}", tenant="alice"))
     assert store.get("alice", "same") is None and store.get("alice", "r2") is not None  # oldest evicted
+    assert store.get("bob", "same") is bob  # alice's traffic evicts only alice's traces
+
+
+def test_refused_requests_evict_only_the_same_tenants_refusals() -> None:
+    store = TraceStore(per_tenant=20)  # refusals: a ring of 2 per tenant
+    alice = _admitted(store, RequestTrace("a-1", tenant="alice"))
+    mallory = _admitted(store, RequestTrace("m-1", tenant="mallory"))
+    refused = RequestTrace("a-refused", tenant="alice")
+    store.add(refused)  # never admitted (a 404, a 429)
+    for i in range(100):
+        store.add(RequestTrace(f"m-404-{i}", tenant="mallory"))
+    assert store.get("alice", "a-1") is alice and store.get("alice", "a-refused") is refused
+    assert store.get("mallory", "m-1") is mallory
+    assert store.get("mallory", "m-404-99") is not None and store.get("mallory", "m-404-97") is None
+    # An id used again: the newest request with it is shown, refused or not.
+    again = RequestTrace("a-1", tenant="alice")
+    store.add(again)
+    assert store.get("alice", "a-1") is again and store.newest_with_id("a-1") is again

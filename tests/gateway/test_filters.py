@@ -97,6 +97,15 @@ def test_output_guard_reports_one_verdict_per_filter_and_choice() -> None:
     assert [(d.filter, d.verdict) for d in reported] == [("b", "block")]
 
 
+def test_output_guard_holds_back_the_longest_listed_word_less_one() -> None:
+    words = BlocklistFilter("w", words=["red", "shade of blue"])
+    mod = ModerationFilter("m", "http://127.0.0.1:1/v1/moderations")
+    assert (words.holdback, mod.holdback, BlocklistFilter("p", patterns=[r"card\s*\d{4}"]).holdback) == (12, 0, 0)
+    assert OutputGuard([mod, words], print).holdback == 12  # auto: the largest of the filters'
+    assert OutputGuard([words], print, holdback=0).holdback == 0  # the operator's --filter-holdback
+    assert OutputGuard([words], print, holdback=40).holdback == 40
+
+
 # --- configuration --------------------------------------------------------------------------
 
 

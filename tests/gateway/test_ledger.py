@@ -207,6 +207,10 @@ def test_parse_time() -> None:
     assert parse_time("1970-01-01T01:00:00+01:00") == 0.0
     with pytest.raises(ValueError):
         parse_time("yesterday")
+    for no_date in ("nan", "NaN", "inf", "-inf", "1e30", "-1e30", "253402300800"):  # the last: year 10000
+        with pytest.raises(ValueError, match="not a date"):
+            parse_time(no_date)
+    assert parse_time("253402300799") == 253_402_300_799.0  # 9999-12-31T23:59:59Z
 
 
 def test_default_ledger_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -234,6 +238,14 @@ def test_cli_table_and_json(ledger: UsageLedger, capsys: pytest.CaptureFixture[s
     assert [(r["tenant"], r["model"], r["requests"]) for r in data["rows"]] == [("acme", SMOL, 1), ("acme", "other", 1)]
     assert data["total"]["requests"] == 2
     assert data["total"]["prompt_tokens"] == 200 + 300
+
+
+def test_cli_refuses_dates_that_are_no_dates(ledger: UsageLedger, capsys: pytest.CaptureFixture[str]) -> None:
+    _fill(ledger)
+    for flag, value in (("--since", "nan"), ("--since", "inf"), ("--until", "1e30")):
+        assert main(["usage", "--db", str(ledger.path), flag, value]) == 2, (flag, value)
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and "not a date" in captured.err
 
 
 def test_cli_missing_db(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,6 +43,7 @@ from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_protocol import ResponsesRequest
 from tokenline.api.body_check import reject_invalid_unicode
 from tokenline.api.dashboard import install_dashboard
+from tokenline.api.head_requests import HeadAsGet
 from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
 from tokenline.api.passthrough import PassthroughServing
 from tokenline.api.readiness import ReadinessGate
@@ -53,6 +54,7 @@ from tokenline.engine.process_client import EngineProcessClient
 from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.reasoning import REASONING_FORMATS
+from tokenline.frontend.text_pool import text_size
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.door import Door
 from tokenline.gateway.door_policy import DoorPolicy, resolve_metrics_auth
@@ -64,6 +66,7 @@ from tokenline.gateway.ledger import PriceTable, UsageLedger, default_ledger_pat
 from tokenline.gateway.live_events import LiveEvents
 from tokenline.gateway.metrics import ServerMetrics, StatsSource
 from tokenline.gateway.rate_limit import make_rate_limiter
+from tokenline.gateway.trace import TraceStore
 from tokenline.gateway.response_store import ResponseStore
 from tokenline.model.config import ModelConfig, load_generation_config
 from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
@@ -90,11 +93,14 @@ class ServerSettings:
     prices_file: str | None = None  # USD per million input / output tokens, per model (TOML)
     log_prompts: bool = False  # user text is never logged unless asked
     content_filter: str | None = None  # default safety filters (TOML/JSON) for tenants without their own
+    filter_holdback: int | None = None  # characters of output streams hold back for the filters; None: auto
     reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think>…</think> goes to reasoning_content
     tool_call_parser: str | None = None  # a tool_parsers.TOOL_CALL_FORMATS name: calls in that format → tool_calls
     request_timeout: float | None = 600.0  # seconds a request may take end to end
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     max_request_bytes: int = 4 * 1024 * 1024  # request bodies above this get a 413 unread
+    max_tokenize_bytes: int = 1024 * 1024  # the same for /tokenize and /detokenize (free of tokens)
+    traces_per_tenant: int = 10_000  # request traces kept per tenant (refused ones apart, a tenth as many)
     max_messages: int = 1024
     max_tokens_cap: int | None = None  # largest max_tokens a request may ask for (omitted: this)
     # Operator opt-in: special-token strings in message content and text prompts become special
@@ -155,6 +161,8 @@ def build_gateway(settings: ServerSettings, stats: StatsSource, served_model_nam
         limits=GatewayLimits(settings.max_request_bytes, settings.max_messages, settings.max_tokens_cap),
         log_prompts=settings.log_prompts,
         content_filters=load_filter_file(settings.content_filter) if settings.content_filter else (),
+        filter_holdback=settings.filter_holdback,
+        traces=TraceStore(settings.traces_per_tenant),
     )
 
 
@@ -286,10 +294,13 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
 
     # Inside the door: until the engine can serve, only the probes and /metrics answer (vLLM's readiness).
     app.add_middleware(ReadinessGate, check_ready=serving.ensure_ready)
+    # HEAD wherever GET is served (api/head_requests.py), inside the door: it sees the real method.
+    app.add_middleware(HeadAsGet)
     # The outer middleware, pure ASGI: every response, a 401 or 413 included, carries the id.
     app.add_middleware(
         Door, max_request_bytes=gateway.limits.max_request_bytes, keys=keys, limiter=limiter, metrics=metrics,
         policy=door_policy(settings),
+        path_byte_limits=dict.fromkeys(("/tokenize", "/detokenize"), settings.max_tokenize_bytes),
     )
 
     def context(request: Request, model: str | None) -> RequestContext:
@@ -401,11 +412,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     async def admin_usage(request: Request, since: str | None = None, until: str | None = None,
                           tenant: str | None = None) -> dict[str, Any]:
         require_admin(request)
-        try:
-            start = parse_time(since) if since else None
-            end = parse_time(until) if until else None
-        except ValueError as exc:
-            raise APIError.bad_request(str(exc), param="since" if since else "until") from exc
+        start, end = admin_time(since, "since"), admin_time(until, "until")
         rows = await asyncio.to_thread(ledger.summary, start, end, tenant)
         return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
 
@@ -420,6 +427,12 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             raise APIError.bad_request(f"the keys file is invalid; the previous tenants stay: {exc}") from exc
         return {"tenants": len(tenants)}
 
+    def admin_time(value: str | None, param: str) -> float | None:
+        try:
+            return parse_time(value) if value else None
+        except ValueError as exc:
+            raise APIError.bad_request(str(exc), param=param) from exc
+
     def require_admin(request: Request) -> None:
         tenant = request.state.tenant
         if keys is None:
@@ -427,10 +440,20 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         if tenant is None or not tenant.admin:
             raise APIError.forbidden("this key may not use admin endpoints")
 
+    async def admit_text_work(request: Request, model: str | None) -> RequestContext:
+        """/tokenize and /detokenize: the model must exist and the tenant may use it (omitted: any
+        served name it may use), and the request counts against the tenant's RPM."""
+        serving.check_model(model)
+        if model is None:
+            tenant = request.state.tenant
+            model = next((name for name in model_names if gateway.allows_model(tenant, name)), served_model_name)
+        return await gateway.admit_text_work(request.scope["state"], model)
+
     @app.post("/tokenize", response_model=None, responses=success(TokenizeResponse))
-    async def tokenize(body: TokenizeRequest) -> Response:
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         body.check()
-        serving.check_model(body.model)
+        size = len(body.prompt) if body.prompt is not None else text_size(body.template_messages())
+        ctx = await admit_text_work(request, body.model)
         info = client.info
 
         def work() -> bytes:
@@ -445,12 +468,16 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
                 payload["token_strs"] = [tokenizer.id_to_token(t) or "" for t in tokens]
             return json.dumps(payload, separators=(",", ":")).encode()
 
-        # Off the event loop, bounded (frontend/text_pool.py): a 4 MB body must not stall /health.
-        return Response(await serving.text_pool.run(work), media_type="application/json")
+        # Off the event loop, bounded, in the tenant's line (frontend/text_pool.py): a 4 MB body
+        # must not stall /health, nor another tenant's chat.
+        try:
+            return Response(await serving.text_pool.run(work, size, ctx.tenant_name), media_type="application/json")
+        finally:
+            await gateway.release(ctx)
 
     @app.post("/detokenize", response_model=None, responses=success(DetokenizeResponse))
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        serving.check_model(body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        ctx = await admit_text_work(request, body.model)
         vocab = tokenizer.vocab_size
 
         def work() -> dict[str, Any]:
@@ -458,7 +485,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
                 raise APIError.bad_request(f"token ids must be in [0, {vocab})", param="tokens")
             return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-        return await serving.text_pool.run(work)  # off the event loop, like /tokenize
+        try:
+            return await serving.text_pool.run(work, len(body.tokens), ctx.tenant_name)  # as /tokenize
+        finally:
+            await gateway.release(ctx)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=success(description="Prometheus metrics"))
     async def prometheus_metrics() -> Response:
@@ -482,7 +512,7 @@ def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAI
         return sum(len(p) if isinstance(p, list) else len(serving.processor.encode(p)) for p in request.prompts())
 
     async def count_off_loop(request: ChatCompletionRequest | CompletionRequest) -> int:
-        return await serving.text_pool.run(count, request)  # tokenizing stays off the event loop
+        return await serving.text_pool.run(lambda: count(request))  # tokenizing stays off the event loop
 
     return PassthroughServing(client, serving.gateway, serving.served_model_name, serving.check_model,
                               count_off_loop if settings.model else None, settings.request_timeout)

@@ -292,21 +292,22 @@ class OpenAIServing:
         return update
 
     async def _screen_output(self, gen: _Generation, update: SequenceUpdate) -> None:
-        """Run the output filters over a choice's new text; a flag ends the choice before the
-        flagged text (what a stream already sent stays sent) and aborts its engine request."""
-        seq = update.seq
-        if gen.guard is None or not (update.text or seq.finished):
+        """Run the output filters over a choice's new text, then let out what they passed but the
+        guard's hold-back, with only the tokens wholly within that text. A flag ends the choice
+        before the flagged text (what a stream already sent stays sent) and aborts its engine
+        request; the tokens of the cut text never leave, as text, logprobs or ids."""
+        seq, guard = update.seq, gen.guard
+        if guard is None:
             return
-        text = seq.stream.text
-        start = len(text) - len(update.text)
-        decision = await gen.guard.check(seq.request_id, text, start, seq.finished)
-        if decision is None:
-            return
-        cut = start if decision.offset is None else decision.offset
-        seq.cut(cut, decision.filter)
-        update.text = text[start:cut] if cut > start else ""
-        if seq.engine_final is None:
-            self.client.abort([seq.request_id])
+        if update.text or seq.finished:
+            text = seq.stream.text
+            start = len(text) - len(update.text)
+            decision = await guard.check(seq.request_id, text, start, seq.finished)
+            if decision is not None:
+                seq.cut(start if decision.offset is None else decision.offset, decision.filter)
+                if seq.engine_final is None:
+                    self.client.abort([seq.request_id])
+        update.text, update.token_ids, update.logprobs = seq.release(guard.holdback)
 
     async def _settle(self, gen: _Generation, status: str, abort_reason: str | None = None) -> None:
         """Write the request's receipt once the engine has said its last word on every sequence.
@@ -382,7 +383,7 @@ class OpenAIServing:
                 raise APIError.bad_request(str(exc), param=request.param_names.get(exc.param, exc.param)) from exc
         # Tools render their schemas into the prompt: such a chat always goes to the pool.
         size = INLINE_MAX_CHARS if request.tools else text_size(messages)
-        prompt_ids = await self.text_pool.run_sized(size, self.render_chat, request, ctx)
+        prompt_ids = await self.text_pool.run_sized(size, lambda: self.render_chat(request, ctx), ctx.tenant_name)
         prompt_ids = self.processor.truncate(prompt_ids, request.truncate_prompt_tokens)
         self.processor.check_prompt(prompt_ids, request.param_names["prompt"])
         _note_deprecated(request, ctx)
@@ -459,8 +460,7 @@ class OpenAIServing:
                     return out  # a parser holds the text back (a tool call in the making): no empty delta
             entry = ChatCompletionChunkChoice(index=choice.index, delta=message, finish_reason=finish_reason)
             if want_logprobs:
-                ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-                entry.logprobs = self._chat_logprobs(ids, logprobs, as_ids)
+                entry.logprobs = self._chat_logprobs(update.token_ids, logprobs, as_ids)
             return [*out, entry]
 
         return self._stream(gen, request, ChatCompletionChunk, entries)
@@ -498,6 +498,7 @@ class OpenAIServing:
         whole = await self.text_pool.run_sized(
             text_size(raw_prompts),
             lambda: [self.processor.encode(p, add_special_tokens=request.add_special_tokens) for p in raw_prompts],
+            ctx.tenant_name,
         )
         ctx.trace.mark("tokenized")
         prompts = [self.processor.truncate(p, request.truncate_prompt_tokens) for p in whole]
@@ -558,20 +559,19 @@ class OpenAIServing:
         want_logprobs = gen.params.logprobs is not None
         want_ids, as_ids = request.return_token_ids, request.return_tokens_as_token_ids
         text_offset: dict[int, int] = {}  # characters already streamed per choice (logprobs.text_offset)
-        ids_sent: dict[int, int] = {}  # token ids already streamed per choice (return_token_ids)
+        started: set[int] = set()  # choices whose first chunk went out (with the prompt's ids)
         echoed: set[int] = set()  # choices whose prompt went out (on their first chunk, as vLLM)
 
         def entries(update: SequenceUpdate) -> list[CompletionChoice]:
             choice, delta, logprobs = update.seq, update.text, update.logprobs
-            sent = ids_sent.get(choice.index)
-            new_ids = choice.token_ids[sent or 0 :] if want_ids else []
+            new_ids = update.token_ids if want_ids else []
             echo = echoes is not None and choice.index not in echoed
             # A token whose text is held back still gets its chunk (text ""), as in vLLM.
             changed = delta or choice.finished or (want_logprobs and logprobs) or new_ids or update.num_new_tokens
             if not (echo or changed):
                 return []
             prompt = gen.state.prompts[choice.prompt_index]
-            ids = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
+            ids = list(update.token_ids)  # the tokens shown now (an output filter may hold some back)
             entry_logprobs: list[TokenLogprobs | None] = list(logprobs)
             if echo:
                 assert echoes is not None
@@ -582,8 +582,8 @@ class OpenAIServing:
             entry = CompletionChoice(index=choice.index, text=delta, finish_reason=choice.finish_reason)
             if want_ids:  # vLLM's shape: the delta's ids, and the prompt's on a choice's first chunk
                 entry.token_ids = list(new_ids)
-                entry.prompt_token_ids = prompt if sent is None else None
-                ids_sent[choice.index] = len(choice.token_ids)
+                entry.prompt_token_ids = prompt if choice.index not in started else None
+                started.add(choice.index)
             offset = text_offset.get(choice.index, 0)
             if want_logprobs:
                 entry.logprobs = self._completion_logprobs(ids, entry_logprobs, offset, as_ids)

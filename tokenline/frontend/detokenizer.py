@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
         )
         self._token_ids: list[int] = []
         self._emitted_chars = 0
-        self._pending = False  # ids pushed since the last text DecodeStream released
+        self._pending = False  # ids pushed whose text is held back (an unfinished character)
         self._finished = False
 
     @property
@@ -85,11 +85,12 @@ class IncrementalDetokenizer:
     @property
     def holds_partial_character(self) -> bool:
         """Ids pushed whose text is held back: they end in an unfinished character (read-only, for traces)."""
-        if self._finished:
-            return False
-        if self._stream is not None:
-            return self._pending
-        return self._full_text().endswith(_REPLACEMENT)
+        return self._pending and not self._finished
+
+    @property
+    def emitted_chars(self) -> int:
+        """Characters of text released so far (the length of every delta together)."""
+        return self._emitted_chars
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add newly generated ids; return the text they complete (may be "")."""
@@ -139,7 +140,8 @@ class IncrementalDetokenizer:
 
     def _slow_delta(self, final: bool) -> str:
         text = self._full_text()
-        if not final and text.endswith(_REPLACEMENT):
+        self._pending = not final and text.endswith(_REPLACEMENT)
+        if self._pending:
             # Possibly an unfinished character: wait for the next id (flush releases it if not).
             return ""
         delta = text[self._emitted_chars :]

@@ -35,6 +35,13 @@ class SequenceState:
     first_token_at: float | None = None
     last_output_at: float | None = None
     content_filter: str | None = None  # the output filter that ended the text, if one did
+    # Per token: the characters its ids decode to so far, counted once its text is whole (None
+    # while it ends inside a character). Says which tokens a piece of text shows.
+    token_ends: list[int | None] = field(default_factory=list)
+    num_withheld: int = 0  # tokens an output filter's cut took out of token_ids (still billed)
+    # Under an output filter, what the caller has been given: characters of text, tokens.
+    shown_chars: int = 0
+    shown_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -45,14 +52,39 @@ class SequenceState:
         """Tokens the engine actually generated (what is billed), known exactly once it is final."""
         if self.engine_final is not None:
             return self.engine_final.num_output_tokens
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_withheld
+
+    def tokens_within(self, chars: int) -> int:
+        """How many leading tokens decode wholly within the first ``chars`` characters."""
+        for i in range(len(self.token_ends) - 1, -1, -1):
+            end = self.token_ends[i]
+            if end is not None and end <= chars:
+                return i + 1
+        return 0
 
     def cut(self, at: int, by: str) -> None:
-        """An output filter flagged the text from character ``at`` on: the text ends before it.
-        The caller aborts the engine request; the tokens it produced are still billed."""
+        """An output filter flagged the text from character ``at`` on: the text ends before it,
+        and so do the token ids and logprobs: a token that reaches past ``at`` would spell what
+        was cut. The caller aborts the engine request; the tokens it produced are still billed."""
         self.stream.text = self.stream.text[:at]
+        keep = self.tokens_within(at)
+        self.num_withheld += len(self.token_ids) - keep
+        del self.token_ids[keep:], self.logprobs[keep:], self.token_ends[keep:]
         self.finish_reason = "content_filter"
         self.content_filter = by
+
+    def release(self, hold_chars: int) -> tuple[str, list[int], list[TokenLogprobs]]:
+        """Under an output filter, what may be shown now that was not yet: the text but its last
+        ``hold_chars`` characters (so a flagged phrase is never shown in part), and the ids and
+        logprobs of the tokens wholly within the text shown; everything once the text ended."""
+        text = self.stream.text
+        upto = len(text) if self.finished else max(self.shown_chars, len(text) - hold_chars)
+        delta = text[self.shown_chars : upto]
+        self.shown_chars = max(self.shown_chars, upto)
+        tokens = len(self.token_ids) if self.finished else self.tokens_within(self.shown_chars)
+        ids, logprobs = self.token_ids[self.shown_tokens : tokens], self.logprobs[self.shown_tokens : tokens]
+        self.shown_tokens = max(self.shown_tokens, tokens)
+        return delta, ids, logprobs
 
     @property
     def stop_reason(self) -> int | str | None:
@@ -68,9 +100,10 @@ class SequenceUpdate:
 
     seq: SequenceState
     text: str  # new text that may be shown now
-    logprobs: list[TokenLogprobs]  # of the new tokens kept
+    logprobs: list[TokenLogprobs]  # of the tokens shown now (empty unless logprobs were asked)
     num_new_tokens: int
     abort: bool = False  # a stop string ended the text while the engine still runs: abort it
+    token_ids: list[int] = field(default_factory=list)  # the tokens shown now: the new ones kept
 
 
 @dataclass
@@ -120,6 +153,7 @@ class RequestState:
                 break
             seq.token_ids.append(token_id)
             text += seq.stream.push([token_id])
+            seq.token_ends.append(None if seq.stream.holds_partial_character else seq.stream.decoded_chars)
             kept += 1
         logprobs = (output.new_logprobs or [])[:kept]
         seq.logprobs.extend(logprobs)
@@ -133,8 +167,9 @@ class RequestState:
             abort = not output.finished  # free the engine's work at once
         elif output.finished:
             text += seq.stream.finish()
+            seq.token_ends = [seq.stream.decoded_chars if end is None else end for end in seq.token_ends]
             seq.finish_reason = output.finish_reason.value  # type: ignore[union-attr]
-        return SequenceUpdate(seq, text, logprobs, kept, abort)
+        return SequenceUpdate(seq, text, logprobs, kept, abort, seq.token_ids[len(seq.token_ids) - kept :])
 
     def absorb_final(self, output: EngineOutput) -> None:
         """Late outputs after the caller's view ended: only the counts and timings matter now."""

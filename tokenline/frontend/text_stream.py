@@ -36,6 +36,12 @@ class TextStream:
         return self._detokenizer.holds_partial_character
 
     @property
+    def decoded_chars(self) -> int:
+        """Characters the ids pushed so far decode to (``text`` is a prefix of that text: a stop
+        string cuts it, a possible one holds its tail back)."""
+        return self._detokenizer.emitted_chars
+
+    @property
     def held_stop_prefix(self) -> str:
         """Text held back because it may begin a stop string."""
         return self._matcher.held if self._matcher is not None else ""

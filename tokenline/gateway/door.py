@@ -12,6 +12,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -49,9 +50,12 @@ class Door:
         limiter: RateLimiter | None,
         metrics: ServerMetrics,
         policy: DoorPolicy | None = None,
+        path_byte_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
+        # Smaller limits for some paths: /tokenize costs no tokens, so its size is its only price.
+        self.path_byte_limits = {p: min(n, max_request_bytes) for p, n in (path_byte_limits or {}).items()}
         self.keys = keys
         self.policy = policy or DoorPolicy(keys_configured=keys is not None)
         self.limiter = limiter
@@ -94,8 +98,9 @@ class Door:
             log_access()
 
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
-            await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
+        byte_limit = self.path_byte_limits.get(path, self.max_request_bytes)
+        if declared is not None and declared.isdigit() and int(declared) > byte_limit:
+            await refuse(APIError.payload_too_large(self._too_large(byte_limit)), "body_too_large")
             return
         state["tenant"] = None
         server = scope.get("server")
@@ -128,9 +133,9 @@ class Door:
         state["authenticated"] = time.monotonic()
         if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
             # A chunked body declares no length: read it here, up to the limit, before any handler.
-            body = await self._read_bounded(receive)
+            body = await self._read_bounded(receive, byte_limit)
             if body is None:
-                await refuse(APIError.payload_too_large(self._too_large()), "body_too_large")
+                await refuse(APIError.payload_too_large(self._too_large(byte_limit)), "body_too_large")
                 return
             receive = _replay(body, receive)
         try:
@@ -147,7 +152,7 @@ class Door:
                 finish()  # e.g. the gateway frees the request id for reuse
             log_access()
 
-    async def _read_bounded(self, receive: Receive) -> bytes | None:
+    async def _read_bounded(self, receive: Receive, limit: int) -> bytes | None:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -155,14 +160,14 @@ class Door:
                 return b"".join(chunks)  # disconnected: the handler will find out
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_request_bytes:
+            if size > limit:
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _too_large(self) -> str:
-        return f"the request body exceeds the limit of {self.max_request_bytes} bytes"
+    def _too_large(self, limit: int) -> str:
+        return f"the request body exceeds the limit of {limit} bytes"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

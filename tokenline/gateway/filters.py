@@ -24,7 +24,10 @@ described by the same tables, in a ``--content-filter`` file or in a tenant of t
 
 Output is checked incrementally on the text deltas of each choice: ``check_output(text, start,
 final)`` gets the choice's text so far, where the new delta begins and whether the text ended, so
-a filter scans only a bounded window around the new text.
+a filter scans only a bounded window around the new text. What a check passes is let out but its
+last ``holdback`` characters (``OutputGuard``; by default each filter's own ``holdback``: a
+blocklist's longest word less one), so a listed word is never streamed in part; the tokens of text
+a filter cut never leave the server (``SequenceState.cut``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class Decision:
 class ContentFilter(Protocol):
     name: str
     stages: frozenset[str]
+    # Characters of output to hold back so that text this filter would flag is never shown in
+    # part before the check that flags it (0: the filter judges text only as a whole window).
+    holdback: int
 
     async def check_input(self, texts: Sequence[str]) -> Decision: ...
 
@@ -112,6 +118,9 @@ class BlocklistFilter:
         self._patterns = [re.compile(p, re.IGNORECASE) for p in patterns]
         longest = max((len(w) for w in words), default=0)
         self.window = max(longest, pattern_window if patterns else 0) + 1  # +1: the char a lookbehind reads
+        # A word is flagged as soon as its last character arrives: what may come before that is
+        # at most its first len - 1 characters. Patterns have no length to hold back for.
+        self.holdback = max(0, longest - 1)
 
     def _find(self, text: str, pos: int) -> tuple[str, int] | None:
         if self._words is not None and (m := self._words.search(text, pos)):
@@ -173,6 +182,7 @@ class ModerationFilter:
         self.stages = frozenset(stages)
         self.output_chars = output_chars
         self.overlap_chars = overlap_chars
+        self.holdback = 0  # judged in windows of output_chars; see the README on holding those back
         self._client: httpx.AsyncClient | None = None  # made on first use, inside the event loop
 
     async def aclose(self) -> None:
@@ -248,10 +258,15 @@ class OutputGuard:
 
     Each filter's verdict on a choice is reported once — its block, or its last verdict when the
     text ends — plus any error it met on the way (a fail-open error lets the text go on).
+    ``holdback``: characters of checked text kept back until more text (or the end) comes; None
+    takes the largest of the filters' own.
     """
 
-    def __init__(self, filters: Sequence[ContentFilter], report: Callable[[Decision], None]) -> None:
+    def __init__(
+        self, filters: Sequence[ContentFilter], report: Callable[[Decision], None], holdback: int | None = None
+    ) -> None:
         self.filters = tuple(filters)
+        self.holdback = max((f.holdback for f in self.filters), default=0) if holdback is None else holdback
         self._report = report
         self._done: set[str] = set()  # choices whose text ended or was cut
 

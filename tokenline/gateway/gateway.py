@@ -104,6 +104,7 @@ class Gateway:
         log_prompts: bool = False,
         content_filters: tuple[ContentFilter, ...] = (),
         progress_interval_s: float = 1.0,
+        filter_holdback: int | None = None,
     ) -> None:
         self.metrics = metrics
         self.keys = keys
@@ -118,6 +119,7 @@ class Gateway:
         # crash loses at most this much of what a request produced.
         self.progress_interval_s = progress_interval_s
         self.content_filters = content_filters  # the default of tenants without their own
+        self.filter_holdback = filter_holdback  # characters of output held back; None: each filter's own
         self.events: LiveEvents | None = None  # the live stream (GET /v1/events), when the app has one
         for f in (*content_filters, *(f for t in (keys.tenants if keys else ()) for f in t.content_filters or ())):
             metrics.declare_filter(f.name, sorted(f.stages), VERDICTS)
@@ -132,13 +134,8 @@ class Gateway:
         tenant: Tenant | None = state.get("tenant")
         if tenant is not None:
             trace.tenant = tenant.name
-            if model is not None and not self.allows_model(tenant, model):
-                self.metrics.rejected.labels("model_not_allowed").inc()
-                raise APIError.not_found(
-                    f"The model `{shorten(model)}` does not exist or you do not have access to it.",
-                    param="model",
-                    code="model_not_found",
-                )
+            if model is not None:
+                self.check_model_access(tenant, model)
         key = (trace.tenant, trace.request_id)
         if key in self._in_flight:
             # Answered, not renamed: the caller chose the id to find this request again (trace,
@@ -167,6 +164,28 @@ class Gateway:
     def allows_model(self, tenant: Tenant | None, model: str) -> bool:
         return tenant is None or self.keys is None or self.keys.allows_model(tenant, model)
 
+    def check_model_access(self, tenant: Tenant | None, model: str) -> None:
+        """A 404 for a model the tenant may not use: the same answer as for one that does not exist."""
+        if not self.allows_model(tenant, model):
+            self.metrics.rejected.labels("model_not_allowed").inc()
+            raise APIError.not_found(
+                f"The model `{shorten(model)}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def admit_text_work(self, state: dict[str, Any], model: str) -> RequestContext:
+        """Admit a request that runs no generation (``/tokenize``, ``/detokenize``): it is a request
+        all the same, so the tenant's model restrictions apply as to a chat, and it counts against
+        its RPM and holds one of its concurrent slots while it runs (``release`` it after). No
+        tokens are charged, no trace or ledger row is kept."""
+        tenant: Tenant | None = state.get("tenant")
+        self.check_model_access(tenant, model)
+        trace = RequestTrace(state["request_id"], tenant=tenant.name if tenant is not None else None, model=model)
+        ctx = RequestContext(state["request_id"], trace, tenant, state["extra_headers"], scope_state=state)
+        await self.reserve(ctx, 0, 0)
+        return ctx
+
     def check_limits(self, messages: int, max_tokens: int | None, param: str) -> None:
         """Refuse too many messages or an explicit ``max_tokens`` above the cap. An omitted one
         is not refused: the processor's ``fit`` caps it (``InputProcessor.fit(max_tokens_cap=)``)."""
@@ -186,16 +205,16 @@ class Gateway:
         """Charge the tenant's token limits before any expensive work: the prompt plus the
         completion reserved (settled to the tokens really produced in ``settle``)."""
         ctx.trace.prompt_tokens = prompt_tokens
-        if self.limiter is None or ctx.tenant is None:
-            return
-        try:
-            ctx.reservation = await self.limiter.acquire(ctx.tenant, prompt_tokens, completion_tokens)
-        except APIError as exc:
-            self.metrics.rejected.labels("rate_limited").inc()
-            self.metrics.count_rate_limited(ctx.tenant.name, exc.code or "rate_limit")
-            raise
-        if ctx.reservation.headers is not None:
-            ctx.response_headers.update(ctx.reservation.headers.as_dict())
+        if self.limiter is not None and ctx.tenant is not None:
+            try:
+                ctx.reservation = await self.limiter.acquire(ctx.tenant, prompt_tokens, completion_tokens)
+            except APIError as exc:
+                self.metrics.rejected.labels("rate_limited").inc()
+                self.metrics.count_rate_limited(ctx.tenant.name, exc.code or "rate_limit")
+                raise
+            if ctx.reservation.headers is not None:
+                ctx.response_headers.update(ctx.reservation.headers.as_dict())
+        self.traces.admit(ctx.trace)  # admitted: its trace joins the tenant's, out of the refusals' ring
 
     async def release(self, ctx: RequestContext) -> None:
         """The request never reached an engine: give its reservation back whole."""
@@ -234,7 +253,9 @@ class Gateway:
     def output_guard(self, ctx: RequestContext) -> OutputGuard | None:
         """The tenant's output filters for one request; None when it has none."""
         filters = [f for f in self.filters_for(ctx.tenant) if "output" in f.stages]
-        return OutputGuard(filters, lambda d: self.filter_decided(ctx, "output", d)) if filters else None
+        if not filters:
+            return None
+        return OutputGuard(filters, lambda d: self.filter_decided(ctx, "output", d), self.filter_holdback)
 
     def filter_decided(self, ctx: RequestContext, stage: str, decision: Decision) -> None:
         self.metrics.content_filter.labels(decision.filter, stage, decision.verdict).inc()

@@ -571,11 +571,19 @@ def _where(since: float | None, until: float | None, tenant: str | None,
 
 
 def parse_time(value: str) -> float:
-    """Unix seconds, or an ISO 8601 date/time; one without a UTC offset is taken as UTC."""
+    """Unix seconds, or an ISO 8601 date/time; one without a UTC offset is taken as UTC. A number
+    that is no moment of a calendar (nan, inf, 1e30: beyond the years 1-9999) is a ValueError."""
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        try:
+            datetime.fromtimestamp(seconds, timezone.utc)  # also refuses nan and inf
+        except (ValueError, OverflowError, OSError):
+            raise ValueError(f"{shorten(value)!r} is not a date: unix seconds must fall within the years "
+                             "1-9999") from None
+        return seconds
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:

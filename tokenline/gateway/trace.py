@@ -2,7 +2,7 @@
 
 Timestamps are ``time.monotonic()`` seconds (the engine process stamps with the same clock); a
 trace reports them relative to arrival, plus the wall-clock arrival time. Recent traces stay in a
-bounded store so ``GET /v1/requests/{id}/trace`` can show them after the response is gone.
+store bounded per tenant so ``GET /v1/requests/{id}/trace`` can show them after the response is gone.
 """
 
 from __future__ import annotations
@@ -78,23 +78,55 @@ class RequestTrace:
 
 
 class TraceStore:
-    """The most recent traces, oldest evicted first, keyed by (tenant, request id): ids are the
-    caller's, so one tenant reusing another's id must not replace (or reveal) the other's trace."""
+    """Recent traces, kept per tenant and keyed by request id: ids are the caller's, so one tenant
+    reusing another's id must not replace (or reveal) the other's trace, and no tenant's traffic
+    may push another's traces out.
 
-    def __init__(self, capacity: int = 10_000) -> None:
-        self.capacity = capacity
-        self._traces: OrderedDict[tuple[str | None, str], RequestTrace] = OrderedDict()
+    Each tenant keeps its ``per_tenant`` most recent admitted requests. A request is held apart
+    from ``add`` (it arrived) until ``admit`` (it was admitted: rate limits charged), in a ring a
+    tenth that size, so refused requests (a 4xx before admission: an unknown model, a bad body,
+    a rate limit) only ever push out the same tenant's older refusals.
+    """
+
+    def __init__(self, per_tenant: int = 10_000) -> None:
+        if per_tenant < 1:
+            raise ValueError(f"traces per tenant must be at least 1, got {per_tenant}")
+        self.per_tenant = per_tenant
+        self.refused_per_tenant = max(1, per_tenant // 10)
+        self._admitted: dict[str | None, OrderedDict[str, tuple[int, RequestTrace]]] = {}
+        self._pending: dict[str | None, OrderedDict[str, tuple[int, RequestTrace]]] = {}
+        self._added = 0  # order of arrival across rings: the newest of two traces with one id wins
 
     def add(self, trace: RequestTrace) -> None:
-        key = (trace.tenant, trace.request_id)
-        self._traces[key] = trace
-        self._traces.move_to_end(key)
-        while len(self._traces) > self.capacity:
-            self._traces.popitem(last=False)
+        """A request arrived: shown from now on, held apart until admitted."""
+        self._added += 1
+        _put(self._pending, trace, self._added, self.refused_per_tenant)
+
+    def admit(self, trace: RequestTrace) -> None:
+        """The request was admitted: it joins its tenant's traces (a trace not held apart is left alone)."""
+        ring = self._pending.get(trace.tenant)
+        entry = ring.get(trace.request_id) if ring is not None else None
+        if ring is None or entry is None or entry[1] is not trace:
+            return
+        del ring[trace.request_id]
+        _put(self._admitted, trace, entry[0], self.per_tenant)
 
     def get(self, tenant: str | None, request_id: str) -> RequestTrace | None:
-        return self._traces.get((tenant, request_id))
+        found = [ring[request_id] for rings in (self._admitted, self._pending)
+                 if (ring := rings.get(tenant)) is not None and request_id in ring]
+        return max(found, key=lambda entry: entry[0])[1] if found else None
 
     def newest_with_id(self, request_id: str) -> RequestTrace | None:
-        """Any tenant's latest trace with this id (for an admin; a scan, admins are few)."""
-        return next((t for t in reversed(self._traces.values()) if t.request_id == request_id), None)
+        """Any tenant's latest trace with this id (for an admin)."""
+        found = [ring[request_id] for rings in (self._admitted, self._pending) for ring in rings.values()
+                 if request_id in ring]
+        return max(found, key=lambda entry: entry[0])[1] if found else None
+
+
+def _put(rings: dict[str | None, OrderedDict[str, tuple[int, RequestTrace]]], trace: RequestTrace, order: int,
+         bound: int) -> None:
+    ring = rings.setdefault(trace.tenant, OrderedDict())
+    ring[trace.request_id] = (order, trace)
+    ring.move_to_end(trace.request_id)
+    while len(ring) > bound:
+        ring.popitem(last=False)
