@@ -261,10 +261,18 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         filter_holdback=args.filter_holdback,
         max_tokenize_bytes=args.max_tokenize_bytes,
         traces_per_tenant=args.traces_per_tenant,
+        max_pending_connections=args.max_pending_connections or None,
+        max_pending_per_address=args.max_pending_per_address or None,
+        body_timeout=args.body_timeout or None,
+        body_min_rate=args.body_min_rate or None,
     )
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
     settings.engine.num_kv_blocks = args.num_kv_blocks
+    for flag in ("max_connections", "max_pending_connections", "max_pending_per_address", "header_timeout",
+                 "body_timeout", "body_min_rate"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 0 (none) or more, got {getattr(args, flag)}")
     settings.engine.validate()  # a bad engine flag is one line here, not a dead engine process later
     if settings.engine.speculative == "mtp" and not args.simulate:
         from tokenline.model.model_store import resolve_model
@@ -709,7 +717,17 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections beyond which requests (probes excepted) get a 503 (0 = no cap)")
+                   help="connections a request was let in on (with keys: a valid key); beyond them a new request "
+                        "closes the longest idle or uploading one, or gets a 503 if all are at work (0 = no cap)")
+    p.add_argument("--max-pending-connections", type=int, default=256,
+                   help="connections that have not yet sent a request let in; beyond them the oldest (older than "
+                        "1 s) still awaiting a head are closed (0 = no cap)")
+    p.add_argument("--max-pending-per-address", type=int, default=32,
+                   help="the same budget per source address (an IPv6 /64 counts as one; 0 = no cap)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive, else 408 and close (0 = none)")
+    p.add_argument("--body-min-rate", type=float, default=500.0,
+                   help="bytes/s a request body must average after its first 5 s, else 408 and close (0 = none)")
 
 
 def build_parser() -> CommandLineParser:

@@ -94,7 +94,7 @@ def test_every_endpoint_but_the_probes_needs_a_key(keyed: Keyed, method: str, pa
 
 
 def test_probes_need_no_key(keyed: Keyed) -> None:
-    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+    for method, path in (("GET", "/health"), ("GET", "/ready"), ("GET", "/ping"), ("POST", "/ping")):
         assert keyed.request(method, path, None).status_code == 200, path
     # /live is the liveness route (engine supervisor); whatever it answers, it is never gated.
     assert keyed.request("GET", "/live", None).status_code != 401

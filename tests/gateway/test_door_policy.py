@@ -43,12 +43,14 @@ def test_default_metrics_auth_and_contradictions() -> None:
         resolve_metrics_auth("admin", keys_configured=False, metrics_port=None)
 
 
-def test_the_connection_cap_spares_the_probes() -> None:
-    policy = DoorPolicy(max_connections=10)
-    assert not policy.over_capacity("/v1/models", 10)
-    assert policy.over_capacity("/v1/models", 11)
-    assert not policy.over_capacity("/health", 500)
-    assert not DoorPolicy().over_capacity("/v1/models", 10_000)
+def test_only_requests_let_in_take_an_admitted_connection_and_never_probes() -> None:
+    keyed = DoorPolicy(keys_configured=True)
+    assert keyed.admits("/v1/models", authenticated=True)
+    assert not keyed.admits("/dashboard", authenticated=False)  # open, but proves nothing
+    open_server = DoorPolicy()
+    assert open_server.admits("/v1/models", authenticated=False)
+    for probe in ("/health", "/ready", "/ping", "/live"):
+        assert not open_server.admits(probe, authenticated=False), probe
 
 
 def _admitted(store: TraceStore, trace: RequestTrace) -> RequestTrace:

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from tests.gateway.fake_engine import FakeEngineClient
 from tokenline.api.app import ServerSettings, build_app
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.gateway.connection_budget import Admission, Phase
 
 ADMIN_KEY = "tl-admin"
 LIMITED_KEY = "tl-limited"
@@ -145,6 +146,25 @@ def test_the_official_client_talks_to_the_gateway(gateway_app) -> None:
         model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 3
+
+
+def test_ready_says_saturated_while_every_admitted_connection_is_at_work(gateway_app) -> None:
+    """/ready is /health's answer plus the admitted pool (here filled by hand: the test client has no
+    connections of its own); /health itself stays the engine's readiness."""
+    client, _, _ = gateway_app
+    assert client.get("/ready").json()["status"] == "ok"
+    budget = client.app.state.connections
+    at_work = [object() for _ in range(budget.limits.max_admitted)]
+    for conn in at_work:
+        budget.opened(conn, "203.0.113.9")
+        assert budget.admit(conn, Phase.WORKING) is Admission.ADMITTED
+    saturated = client.get("/ready")
+    assert saturated.status_code == 503 and saturated.json()["status"] == "saturated"
+    assert saturated.headers["retry-after"] == "1" and client.get("/health").status_code == 200
+    budget.update(at_work[0], Phase.AWAITING_HEAD)  # kept alive between requests: it would make way
+    assert client.get("/ready").status_code == 200
+    metrics = client.get("/metrics").text
+    assert f'tokenline_open_connections{{pool="admitted"}} {float(len(at_work))}' in metrics
 
 
 def test_ping_model_card_and_metrics_at_zero_on_a_fresh_server(gateway_app) -> None:

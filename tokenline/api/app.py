@@ -38,7 +38,7 @@ from tokenline.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from tokenline.api.http_protocol import guarded_protocol
+from tokenline.api.http_protocol import ConnectionTimeouts, guarded_protocol
 from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_protocol import ResponsesRequest
 from tokenline.api.body_check import reject_invalid_unicode
@@ -56,6 +56,7 @@ from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.reasoning import REASONING_FORMATS
 from tokenline.frontend.text_pool import text_size
 from tokenline.frontend.tokenizer import Tokenizer
+from tokenline.gateway.connection_budget import ConnectionBudget, ConnectionLimits
 from tokenline.gateway.door import Door
 from tokenline.gateway.door_policy import DoorPolicy, resolve_metrics_auth
 from tokenline.gateway.errors import APIError, install_error_handlers, shorten
@@ -114,7 +115,14 @@ class ServerSettings:
     metrics_tenant_labels: bool = False  # tenant names on /metrics only when asked
     header_timeout: float | None = 10.0  # seconds a connection has to send a complete request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
-    max_connections: int | None = 1024  # beyond it, requests other than probes get a 503
+    # Connection budgets (gateway/connection_budget.py): connections whose request the door let in
+    # (beyond them a new one takes an idle or uploading one's place, else gets a 503), connections
+    # that have not yet proved anything, and those from one source address.
+    max_connections: int | None = 1024
+    max_pending_connections: int | None = 256
+    max_pending_per_address: int | None = 32
+    body_timeout: float | None = 60.0  # seconds a request body may take to arrive (else 408)
+    body_min_rate: float | None = 500.0  # bytes/s a body must average after its first 5 s (else 408)
     chat_template: str | None = None  # template source replacing the model's (vLLM's --chat-template)
     generation_config: str = "auto"  # sampling defaults: "auto" (the model's), "vllm" (none) or a folder
     uvicorn_log_level: str = "info"
@@ -175,8 +183,19 @@ def door_policy(settings: ServerSettings) -> DoorPolicy:
         keys_configured=keys_configured,
         metrics_auth=resolve_metrics_auth(settings.metrics_auth, keys_configured, settings.metrics_port),
         metrics_port=settings.metrics_port,
-        max_connections=settings.max_connections,
     )
+
+
+def connection_budget(settings: ServerSettings, metrics: ServerMetrics) -> ConnectionBudget:
+    """The budgets over the server's connections, their sizes on /metrics and their evictions
+    counted as refusals."""
+    budget = ConnectionBudget(
+        ConnectionLimits(settings.max_connections, settings.max_pending_connections, settings.max_pending_per_address),
+        on_evict=lambda reason: metrics.rejected.labels(reason).inc(),
+    )
+    metrics.open_connections.labels("pending").set_function(lambda: budget.pending)
+    metrics.open_connections.labels("admitted").set_function(lambda: budget.admitted)
+    return budget
 
 
 def build_app(settings: ServerSettings, client: EngineClient | None = None) -> FastAPI:
@@ -286,6 +305,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     app.state.client = client
     app.state.gateway = gateway
     app.state.exit_code = 0
+    connections = app.state.connections = connection_budget(settings, metrics)  # filled by serve()'s protocol
     install_error_handlers(app, invalid_request_errors=(PromptError,))
     # The live page's stream: engine step records, load and request lifecycles (api/dashboard.py).
     gateway.events = LiveEvents(lambda: client.stats, lambda: client.info.num_kv_blocks if client.info else 0)
@@ -317,6 +337,16 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
             headers = {"Retry-After": "1"} if state in ("loading", "restarting") else None
             return JSONResponse(body, status_code=503, headers=headers)
         return JSONResponse(body)
+
+    @app.get("/ready", responses={**success(HealthStatus), 503: {"model": HealthStatus, "description": "Not ready"}})
+    async def ready() -> Response:
+        """Readiness for traffic: /health's answer, and also 503 ``saturated`` while every connection
+        the server admits has a request at work (a new request would get a 503 too)."""
+        answer = await health()
+        if answer.status_code == 200 and not connections.has_room():
+            body = {"status": "saturated", "engine_pid": client.pid, "engine_restarts": client.restarts}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return answer
 
     @app.get("/live")
     async def live() -> dict[str, str]:
@@ -518,6 +548,23 @@ def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAI
                               count_off_loop if settings.model else None, settings.request_timeout)
 
 
+def raise_open_file_limit(settings: ServerSettings) -> None:
+    """Each connection is a file descriptor: lift the soft limit (often 1,024) toward the hard one so
+    that the connection budgets fit, with room for the process's own files; warn when they cannot."""
+    import resource
+
+    budgets = (settings.max_connections, settings.max_pending_connections)
+    needed = None if None in budgets else sum(budgets) + 512  # type: ignore[arg-type]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = hard if hard != resource.RLIM_INFINITY else max(soft, needed or 65536)
+    target = ceiling if needed is None else min(ceiling, needed)
+    if soft != resource.RLIM_INFINITY and target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if needed is not None and target < needed:
+        logger.warning("open files are limited to %d, short of the %d the connection budgets need; lower "
+                       "--max-connections or raise the limit (ulimit -n)", target, needed)
+
+
 def serve(settings: ServerSettings) -> int:
     """Run the server until SIGINT/SIGTERM (exit status 0; in-flight requests get
     ``shutdown_timeout`` to finish) or an engine crash loop (``ENGINE_CRASH_LOOP_EXIT_CODE``)."""
@@ -541,6 +588,7 @@ def serve(settings: ServerSettings) -> int:
             await super().shutdown(sockets)
 
     app = build_app(settings)
+    raise_open_file_limit(settings)
     logger.info("serving %s on http://%s:%d", settings.model or DEFAULT_MODEL_NAME, settings.host, settings.port)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -552,9 +600,13 @@ def serve(settings: ServerSettings) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_timeout),
         log_level=settings.uvicorn_log_level,
         access_log=False,  # the gateway's Door logs each request with its id instead
-        # Slow request heads are cut off (api/http_protocol.py); idle keep-alive connections too.
-        http=guarded_protocol(AutoHTTPProtocol, settings.header_timeout,
-                              lambda: rejected.labels("header_timeout").inc()),
+        # Slow request heads and bodies are cut off, connections held to their budgets
+        # (api/http_protocol.py); idle keep-alive connections close too.
+        http=guarded_protocol(
+            AutoHTTPProtocol,
+            ConnectionTimeouts(settings.header_timeout, settings.body_timeout, settings.body_min_rate),
+            app.state.connections, lambda reason: rejected.labels(reason).inc(),
+        ),
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
     )
     sockets = None

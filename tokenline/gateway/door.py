@@ -2,7 +2,8 @@
 
 Pure ASGI (so streaming and disconnect detection pass through untouched): it stamps arrival,
 assigns the request id, refuses oversized bodies before reading them, authenticates the API key,
-and adds the request id (and any rate-limit headers) to every response — a 401 or 413 included.
+admits the request's connection (gateway/connection_budget.py), reads the body before any handler
+runs, and adds the request id (and any rate-limit headers) to every response — a 401 or 413 included.
 It knows nothing about models or engines, so a router with no local engine uses it unchanged.
 """
 
@@ -16,7 +17,8 @@ from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenline.gateway.door_policy import CONNECTIONS_SCOPE_KEY, Access, DoorPolicy
+from tokenline.gateway.connection_budget import Admission
+from tokenline.gateway.door_policy import ADMIT_SCOPE_KEY, Access, DoorPolicy
 from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.keys import KeyStore
 from tokenline.gateway.metrics import ServerMetrics
@@ -108,11 +110,6 @@ class Door:
         if access is Access.ABSENT:
             await refuse(APIError.not_found(f"no route {shorten(path)!r} on this address"), "not_on_this_listener")
             return
-        if self.policy.over_capacity(path, scope.get(CONNECTIONS_SCOPE_KEY)):
-            error = APIError.unavailable("the server has too many open connections; retry shortly", 1)
-            error.headers["Connection"] = "close"  # and free this one
-            await refuse(error, "connection_cap")
-            return
         if self.keys is not None and access in (Access.KEY, Access.ADMIN):
             tenant = self.keys.authenticate(_bearer_token(headers.get(b"authorization")))  # constant time
             if tenant is None:
@@ -130,14 +127,30 @@ class Door:
                     return
                 if limits is not None:
                     state["extra_headers"].update(limits.as_dict())
+        admit = scope.get(ADMIT_SCOPE_KEY)  # set by the HTTP protocol (api/http_protocol.py)
+        if admit is None or not self.policy.admits(path, state["tenant"] is not None):
+            admit = lambda: Admission.ADMITTED  # noqa: E731 - probes, open pages, or no protocol of ours
+        admission = admit()
+        if admission is Admission.REFUSED:
+            await refuse(self._all_at_work(), "connection_cap")
+            return
         state["authenticated"] = time.monotonic()
-        if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-            # A chunked body declares no length: read it here, up to the limit, before any handler.
-            body = await self._read_bounded(receive, byte_limit)
+        if admission is Admission.AFTER_BODY or scope.get("method") in ("POST", "PUT", "PATCH"):
+            # The body is read here, before any handler: a chunked one (it declares no length) up to
+            # the limit, and a body that never completes (its client gone, or cut off as too slow by
+            # the HTTP protocol) costs no handler work at all.
+            try:
+                body = await self._read_bounded(receive, byte_limit)
+            except _ClientGone:
+                log_access()
+                return
             if body is None:
                 await refuse(APIError.payload_too_large(self._too_large(byte_limit)), "body_too_large")
                 return
             receive = _replay(body, receive)
+        if admission is Admission.AFTER_BODY and admit() is not Admission.ADMITTED:
+            await refuse(self._all_at_work(), "connection_cap")
+            return
         try:
             await self.app(scope, receive, send_with_headers)
         except Exception:
@@ -153,11 +166,12 @@ class Door:
             log_access()
 
     async def _read_bounded(self, receive: Receive, limit: int) -> bytes | None:
+        """The whole body, or None past ``limit`` bytes; raises _ClientGone if it never completes."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return b"".join(chunks)  # disconnected: the handler will find out
+                raise _ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -166,8 +180,17 @@ class Door:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    def _all_at_work(self) -> APIError:
+        error = APIError.unavailable("all the connections the server allows have a request at work; retry shortly", 1)
+        error.headers["Connection"] = "close"  # and free this one
+        return error
+
     def _too_large(self, limit: int) -> str:
         return f"the request body exceeds the limit of {limit} bytes"
+
+
+class _ClientGone(Exception):
+    """The connection closed before the request's body was complete."""
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

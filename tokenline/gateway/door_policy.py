@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/live"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/live"})
 # The live page and its static files hold no data (a browser cannot send a key with a page load);
 # the page asks for a key and sends it on its data stream, GET /v1/events, which needs one.
 PAGE_PATH = "/dashboard"
@@ -20,9 +20,10 @@ PAGE_FILES_PREFIX = "/dashboard/static/"
 METRICS_PATH = "/metrics"
 METRICS_AUTH_MODES = ("admin", "key", "none")
 
-# Set on the ASGI scope by the HTTP protocol (api/http_protocol.py): open connections when the
-# request's head arrived, so the door can apply the connection cap with an OpenAI-shaped 503.
-CONNECTIONS_SCOPE_KEY = "tokenline.open_connections"
+# Set on the ASGI scope by the HTTP protocol (api/http_protocol.py): a callable the door calls to
+# move the request's connection into the admitted pool; it answers a connection_budget.Admission
+# (REFUSED: every admitted connection has a request at work, and the door answers a 503).
+ADMIT_SCOPE_KEY = "tokenline.admit_connection"
 
 
 class Access(enum.Enum):
@@ -37,7 +38,6 @@ class DoorPolicy:
     keys_configured: bool = False
     metrics_auth: str = "none"  # one of METRICS_AUTH_MODES; resolved by resolve_metrics_auth
     metrics_port: int | None = None  # /metrics on its own listener (and only there)
-    max_connections: int | None = None  # beyond it, requests other than probes get a 503
 
     def access(self, path: str, local_port: int | None) -> Access:
         """What a request for ``path`` arriving on the listener at ``local_port`` needs."""
@@ -51,15 +51,12 @@ class DoorPolicy:
             return Access.OPEN
         return Access.KEY
 
-    def over_capacity(self, path: str, open_connections: int | None) -> bool:
-        """Too many connections for this request; probes are always answered, so an orchestrator
-        does not restart a server that is merely busy."""
-        return (
-            self.max_connections is not None
-            and open_connections is not None
-            and open_connections > self.max_connections
-            and path not in OPEN_PATHS
-        )
+    def admits(self, path: str, authenticated: bool) -> bool:
+        """Whether a request the door lets through moves its connection into the admitted pool: a
+        tenant's (its key checked), or with no keys configured anyone's. Probes never take one (they
+        are always answered, so an orchestrator does not restart a server that is merely busy), nor
+        does a request that proved nothing (the live page's files, an open /metrics)."""
+        return authenticated or (not self.keys_configured and path not in OPEN_PATHS)
 
 
 def resolve_metrics_auth(requested: str | None, keys_configured: bool, metrics_port: int | None) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -189,6 +189,9 @@ class ServerMetrics:
         # The edge's own series.
         self.rejected = Counter("tokenline_rejected_requests", "Requests refused at the edge, by reason.",
                                 ["reason"], registry=r)
+        self.open_connections = Gauge("tokenline_open_connections",
+                                      "Open HTTP connections: pending (no request let in yet) or admitted.",
+                                      ["pool"], registry=r)
         self.rate_limited = Counter("tokenline_rate_limited_requests", "Requests refused by a rate limit.",
                                     [*t, "limit"], registry=r)
         self.spend = Counter("tokenline_spend_usd", "Spend recorded in the usage ledger (USD).",
