@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokenline.engine.client import RestartPolicy
 from tokenline.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_kv_events_config
+from tokenline.gateway.cache_scope import PREFIX_CACHE_SCOPES
 from tokenline.serve_args import (
     add_vllm_args,
     check_model_argument,
@@ -234,6 +235,7 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         header_timeout=args.header_timeout or None,
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections or None,
+        prefix_cache_scope=args.prefix_cache_scope,
     )
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
@@ -659,6 +661,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections beyond which requests (probes excepted) get a 503 (0 = no cap)")
+    p.add_argument("--prefix-cache-scope", default="tenant", choices=PREFIX_CACHE_SCOPES,
+                   help="who may reuse a cached prompt prefix: tenant (only the tenant whose request cached it) "
+                        "or global (every tenant; cached_tokens and the time to the first token then tell one "
+                        "tenant whether another sent a prompt)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,6 +106,7 @@ class ServerSettings:
     header_timeout: float | None = 10.0  # seconds a connection has to send a complete request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_connections: int | None = 1024  # beyond it, requests other than probes get a 503
+    prefix_cache_scope: str = "tenant"  # who may reuse a cached prompt prefix (gateway/cache_scope.py)
     chat_template: str | None = None  # template source replacing the model's (vLLM's --chat-template)
     generation_config: str = "auto"  # sampling defaults: "auto" (the model's), "vllm" (none) or a folder
     uvicorn_log_level: str = "info"
@@ -152,6 +153,7 @@ def build_gateway(settings: ServerSettings, stats: StatsSource, served_model_nam
         limits=GatewayLimits(settings.max_request_bytes, settings.max_messages, settings.max_tokens_cap),
         log_prompts=settings.log_prompts,
         content_filters=load_filter_file(settings.content_filter) if settings.content_filter else (),
+        prefix_cache_scope=settings.prefix_cache_scope,
     )
 
 

@@ -71,6 +71,7 @@ __all__ = [
 
 MAX_N = 16  # OpenAI allows 128; more choices than this per request is a batch job, not a chat
 MAX_STOP = 16  # OpenAI allows 4
+MAX_CACHE_SALT_CHARS = 1024
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 # torch.Generator.manual_seed accepts exactly this range; outside it the sampler would crash.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -302,6 +303,8 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served earlier, as in vLLM
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's: prompts reuse cached prefixes only with the same salt (within the tenant's own cache).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = ()
 

@@ -189,13 +189,15 @@ class OpenAIServing:
         chat_parser: ChatParserFactory | None = None,
         response_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> _Generation:
         # Tokens are charged before any expensive work: the prompt plus the completion reserved.
         reserved = (params.max_tokens or 0) * params.n * len(prompts)
         await self.gateway.reserve(ctx, sum(len(p) for p in prompts), reserved)
         state = self.processor.fan_out(
             response_id or random_id(prefix), prompts, params, priority=priority, client_request_id=ctx.request_id,
-            chat_parser=chat_parser, session_id=session_id,
+            chat_parser=chat_parser, session_id=session_id, cache_salt=self.gateway.cache_salt(ctx, cache_salt),
+            tenant=ctx.tenant.name if ctx.tenant is not None else None,
         )
         ctx.name_response(state.group_id, state.request_ids)
         # Stamped at the hand-off: the engine may schedule the request while the journal row is written.
@@ -359,7 +361,7 @@ class OpenAIServing:
         params = self._params(request, prompt_ids, tool_grammar)
         return await self._start(
             ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools),
-            response_id=response_id, session_id=request.user,
+            response_id=response_id, session_id=request.user, cache_salt=request.cache_salt,
         )
 
     async def _chat_full(self, gen: _Generation) -> Response:
@@ -461,7 +463,8 @@ class OpenAIServing:
             self.processor.check_prompt(prompt_ids, "prompt")
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
         params = self._params(request, max(prompts, key=len))
-        gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user)
+        gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user,
+                                cache_salt=request.cache_salt)
         if request.stream:
             return _sse(self._completion_stream(gen, request))
         return await _until_disconnect(self._completion_full(gen, request), raw)
