@@ -85,6 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) 
                         help="suffix proposer: drafts at most this factor x the match length")
     parser.add_argument("--suffix-decoding-min-token-prob", type=float, default=d.suffix_decoding_min_token_prob,
                         help="suffix proposer: stop drafting where the estimated probability falls below this")
+    parser.add_argument("--grammar-cache-bytes", type=int, default=d.grammar_cache_bytes, metavar="BYTES",
+                        help="memory the compiled structured-output grammars may hold, least recently used "
+                             f"evicted first (default {d.grammar_cache_bytes >> 20} MiB; 0 keeps none)")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
                              '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
@@ -123,6 +126,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         suffix_decoding_min_token_prob=args.suffix_decoding_min_token_prob,
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto",
+        grammar_cache_bytes=args.grammar_cache_bytes,
         **(parse_kv_events_config(args.kv_events_config) if getattr(args, "kv_events_config", None) else {}),
     )
 

@@ -1,11 +1,14 @@
 """Whose cached work a request may reuse, through a real server with keyed tenants: prompt
-prefixes, whose hits show in ``cached_tokens`` and in the time to the first token.
+prefixes and compiled grammars, whose hits show in ``cached_tokens`` and in the time to the first
+token.
 
 By default (``--prefix-cache-scope tenant``) Bob sending Alice's exact memo gets the
 ``cached_tokens`` a wrong guess of his gets: only what he cached himself (his own chat-template
 prefix). Alice re-sending it gets the hit. The caller's ``cache_salt`` (vLLM's field) splits a
 tenant's cache further, on chat, completions and Responses alike. With ``--prefix-cache-scope
 global`` every tenant shares the cache, and Bob gets Alice's hit: the setting's documented risk.
+Compiled grammars are always kept per tenant: Bob's first request with Alice's spec compiles it
+again.
 """
 
 from __future__ import annotations
@@ -86,6 +89,18 @@ def test_cache_salt_splits_a_tenants_cache_on_every_route(scoped: Server) -> Non
     refused = httpx.post(f"{scoped.api_url}/chat/completions", headers=headers, timeout=60,
                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "cache_salt": 7})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt", refused.text
+
+
+def test_grammars_are_compiled_per_tenant(scoped: Server) -> None:
+    spec = {"structured_outputs": {"regex": "((a{100}){100}){3}z"}}  # ~0.1 s to compile
+    compiles = scoped.metrics(KEYS["ops"])["tokenline_grammar_compiles_total"]
+    cached(scoped, "alice", "Count", **spec)
+    cached(scoped, "alice", "Count again", **spec)  # Alice's second request: her grammar, a hit
+    assert scoped.metrics(KEYS["ops"])["tokenline_grammar_compiles_total"] == compiles + 1
+    cached(scoped, "bob", "Count", **spec)  # the same spec from Bob: compiled for him
+    metrics = scoped.metrics(KEYS["ops"])
+    assert metrics["tokenline_grammar_compiles_total"] == compiles + 2
+    assert metrics["tokenline_grammar_cache_entries"] >= 2
 
 
 def test_global_scope_shares_the_cache_between_tenants(tmp_path: Path) -> None:

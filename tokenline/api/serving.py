@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -71,6 +71,7 @@ class _Generation:
     collector: OutputCollector
     ctx: RequestContext
     guard: OutputGuard | None = None  # the tenant's output filters
+    param_names: dict[str, str] = field(default_factory=dict)  # engine-side names -> the request's
 
     @property
     def response_id(self) -> str:
@@ -190,6 +191,7 @@ class OpenAIServing:
         response_id: str | None = None,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        param_names: dict[str, str] | None = None,
     ) -> _Generation:
         # Tokens are charged before any expensive work: the prompt plus the completion reserved.
         reserved = (params.max_tokens or 0) * params.n * len(prompts)
@@ -210,7 +212,7 @@ class OpenAIServing:
             raise APIError.unavailable(f"the engine is not available: {exc}") from exc
         self.gateway.journal(ctx, self.served_model_name, sum(len(p) for p in prompts))
         self.gateway.queued(ctx, handed_over)
-        return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx))
+        return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx), param_names or {})
 
     async def _updates(self, gen: _Generation) -> AsyncIterator[list[SequenceUpdate]]:
         """Yield, per batch of engine outputs, one update per sequence that changed.
@@ -227,7 +229,9 @@ class OpenAIServing:
                     try:
                         outputs = await gen.collector.get()
                     except EngineRequestError as exc:
-                        raise APIError.invalid_request(exc) from exc
+                        error = APIError.invalid_request(exc)  # named in the request's terms
+                        error.param = gen.param_names.get(exc.param, exc.param)
+                        raise error from exc
                     except EngineDeadError as exc:
                         abort_reason = ABORT_REASONS["failed"]
                         raise APIError.server_error(f"the engine failed while generating: {exc}") from exc
@@ -362,6 +366,7 @@ class OpenAIServing:
         return await self._start(
             ctx, "chatcmpl", [prompt_ids], params, request.priority, self.processor.chat_parser(use_tools),
             response_id=response_id, session_id=request.user, cache_salt=request.cache_salt,
+            param_names=request.param_names,
         )
 
     async def _chat_full(self, gen: _Generation) -> Response:
@@ -464,7 +469,7 @@ class OpenAIServing:
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
         params = self._params(request, max(prompts, key=len))
         gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user,
-                                cache_salt=request.cache_salt)
+                                cache_salt=request.cache_salt, param_names=request.param_names)
         if request.stream:
             return _sse(self._completion_stream(gen, request))
         return await _until_disconnect(self._completion_full(gen, request), raw)

@@ -104,6 +104,11 @@ class EngineStats:
     grammar_compile_count: int = 0
     grammar_compile_seconds_sum: float = 0.0
     grammar_cache_hits: int = 0
+    # The compiled-grammar cache: its estimated bytes, its grammars (compiling ones included), and
+    # grammars evicted to keep it within --grammar-cache-bytes.
+    grammar_cache_bytes: int = 0
+    grammar_cache_entries: int = 0
+    grammar_cache_evictions: int = 0
 
 
 @dataclass
