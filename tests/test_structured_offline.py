@@ -355,7 +355,7 @@ def test_offline_bad_specs_and_engine_compile_failures_raise_naming_the_field(
     # What the engine's compiler reports (a failure, or the bound passed) reaches the caller too.
     failed: Future = Future()
     failed.set_exception(SamplingParamsError("structured_outputs.grammar", "the compiler gave up"))
-    monkeypatch.setattr(smol.engine.grammar_compiler, "submit", lambda spec: failed)
+    monkeypatch.setattr(smol.engine.grammar_compiler, "submit", lambda spec, tenant=None: failed)
     with pytest.raises(PromptError, match="gave up") as exc:
         smol.generate("x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="[0-9]+")))
     assert exc.value.param == "structured_outputs.grammar"

@@ -15,6 +15,7 @@ from tokenline.engine.client import RestartPolicy
 from tokenline.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_kv_events_config
 from tokenline.frontend.reasoning import REASONING_FORMATS
 from tokenline.frontend.tool_parsers import TOOL_CALL_FORMATS
+from tokenline.gateway.cache_scope import PREFIX_CACHE_SCOPES
 from tokenline.serve_args import (
     add_vllm_args,
     check_model_argument,
@@ -108,6 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser, quantization: bool = True) 
                         help="suffix proposer: drafts at most this factor x the match length")
     parser.add_argument("--suffix-decoding-min-token-prob", type=float, default=d.suffix_decoding_min_token_prob,
                         help="suffix proposer: stop drafting where the estimated probability falls below this")
+    parser.add_argument("--grammar-cache-bytes", type=int, default=d.grammar_cache_bytes, metavar="BYTES",
+                        help="memory the compiled structured-output grammars may hold, least recently used "
+                             f"evicted first (default {d.grammar_cache_bytes >> 20} MiB; 0 keeps none)")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
                              '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
@@ -146,6 +150,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         suffix_decoding_min_token_prob=args.suffix_decoding_min_token_prob,
         quantization=getattr(args, "quantization", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None) or "auto",
+        grammar_cache_bytes=args.grammar_cache_bytes,
         **(parse_kv_events_config(args.kv_events_config) if getattr(args, "kv_events_config", None) else {}),
     )
 
@@ -265,6 +270,7 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
         max_pending_per_address=args.max_pending_per_address or None,
         body_timeout=args.body_timeout or None,
         body_min_rate=args.body_min_rate or None,
+        prefix_cache_scope=args.prefix_cache_scope,
     )
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be at least 1, got {args.num_kv_blocks}")
@@ -728,6 +734,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request body may take to arrive, else 408 and close (0 = none)")
     p.add_argument("--body-min-rate", type=float, default=500.0,
                    help="bytes/s a request body must average after its first 5 s, else 408 and close (0 = none)")
+    p.add_argument("--prefix-cache-scope", default="tenant", choices=PREFIX_CACHE_SCOPES,
+                   help="who may reuse a cached prompt prefix: tenant (only the tenant whose request cached it) "
+                        "or global (every tenant; cached_tokens and the time to the first token then tell one "
+                        "tenant whether another sent a prompt)")
 
 
 def build_parser() -> CommandLineParser:

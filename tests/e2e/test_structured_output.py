@@ -140,3 +140,38 @@ def test_the_server_still_serves_after_the_400s(server: Server, client: openai.O
     assert metrics["tokenline_grammar_compiles_total"] >= 5
     assert metrics["tokenline_grammar_cache_hits_total"] >= 2
     assert metrics["tokenline_grammar_compile_seconds_total"] > 0
+
+
+# Compiled under llguidance's default limits this regex held ~186 MiB of lexer in the engine for
+# good (five of them took it from 1,486 to 2,362 MiB); the server's grammar limits refuse it.
+HEAVY = "((a{100}){100}){100}z"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"structured_outputs": {"regex": HEAVY + "<tag>x1"}}, "structured_outputs.regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{HEAVY}$"}},
+                                    "required": ["s"]}}}},
+         "response_format.json_schema.schema"),
+    ],
+)
+def test_a_spec_past_the_grammar_limits_is_a_400_naming_its_field(client: openai.OpenAI, body: dict,
+                                                                   param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2, extra_body=body)
+    error = exc.value.response.json()["error"]
+    assert error["param"] == param and "too complex" in error["message"], error
+
+
+def test_metrics_show_the_grammar_cache_within_its_bound(server: Server, client: openai.OpenAI) -> None:
+    before = server.metrics()
+    client.chat.completions.create(model=MODEL, messages=ask("Count"), max_tokens=2,
+                                   extra_body={"structured_outputs": {"regex": "((a{100}){100}){3}z"}})
+    after = server.metrics()
+    assert after["tokenline_grammar_cache_entries"] >= 1
+    # That regex's lexer is ~11 MiB: counted, and the total within the default 256 MiB bound.
+    assert after["tokenline_grammar_cache_bytes"] - before["tokenline_grammar_cache_bytes"] > 4 << 20
+    assert after["tokenline_grammar_cache_bytes"] <= 256 << 20
+    assert after["tokenline_grammar_cache_evictions_total"] == 0

@@ -16,6 +16,7 @@ from tokenline import LLM, SamplingParams
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
+from tokenline.engine.messages import EngineRequest
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.engine.state_checkpoints import StateCheckpointPool
 from tokenline.model.batch import ScheduledBatch, ScheduledSeq
@@ -215,3 +216,24 @@ def test_build_engine_sizes_the_checkpoint_pool(llm: LLM, tmp_path: Path) -> Non
     engine = build_engine_core(EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=64,
                                             hybrid_state_checkpoints=0), llm.model_dir)
     assert engine.kv_cache.checkpoints is None and not engine.kv_cache.enable_prefix_caching
+
+
+def test_a_salted_prompt_restores_only_checkpoints_of_its_salt(llm: LLM) -> None:
+    """A hybrid model's prefix cache is its state checkpoints, keyed by the salted block hashes:
+    another tenant's salt finds none of them."""
+    use_engine(llm, checkpoints=16)
+    prompt = random.Random(3).sample(range(1000, 200000), 45)  # under three blocks
+    params = SamplingParams(max_tokens=2, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+
+    def cached(request_id: str, salt: str) -> int:
+        llm.engine.add_request(EngineRequest(request_id, prompt, params, cache_salt=salt))
+        hits = []
+        while llm.engine.has_unfinished_requests():
+            hits += [o.num_cached_tokens for o in llm.engine.step()]
+        return max(hits)
+
+    assert cached("alice-1", "alice") == 0
+    assert cached("bob", "bob") == 0
+    assert cached("alice-2", "alice") == 32
+    assert llm.engine.stats().state_checkpoint_hits == 1
+    assert_books_clean(llm)

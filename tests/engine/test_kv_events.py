@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from tests.engine.fake_runner import FakeRunner
-from tokenline.engine.block_pool import BlockPool, hash_block
+from tokenline.engine.block_pool import BlockPool, hash_block, salt_root
 from tokenline.engine.core_process import _loop
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
@@ -225,8 +225,8 @@ def make_engine(num_blocks: int, block_size: int = 4) -> EngineCore:
     )
 
 
-def request(request_id: str, prompt: list[int], max_tokens: int = 5) -> EngineRequest:
-    return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens))
+def request(request_id: str, prompt: list[int], max_tokens: int = 5, cache_salt: str | None = None) -> EngineRequest:
+    return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=cache_salt)
 
 
 def run_checking_events(engine: EngineCore, index: CachedBlockIndex) -> list[KVCacheEvent]:
@@ -319,3 +319,38 @@ def test_pool_without_prefix_caching_records_nothing(events: bool) -> None:
     (a,) = kv.pool.allocate(1)
     kv.pool.cache(a, H[0], None, [1, 2])
     assert kv.pool.take_events() == [] and kv.pool.cached_hashes() == set()
+
+
+def _cached_tokens(engine: EngineCore, req: EngineRequest, index: CachedBlockIndex) -> int:
+    engine.add_request(req)
+    cached = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            cached = max(cached, output.num_cached_tokens)
+        index.apply(engine.take_kv_events())
+    return cached
+
+
+def test_a_salted_prompt_reuses_only_blocks_cached_under_its_salt() -> None:
+    """Alice's cached prompt is a miss for Bob (another salt) and for an unsalted caller, a hit for
+    Alice again; the events name the salt on the first block, so the hashes are reproducible."""
+    engine = make_engine(num_blocks=32)
+    index = CachedBlockIndex()
+    prompt = list(range(1, 14))  # 3 full blocks of 4
+    assert _cached_tokens(engine, request("alice-1", prompt, cache_salt="alice"), index) == 0
+    assert _cached_tokens(engine, request("bob", prompt, cache_salt="bob"), index) == 0
+    assert _cached_tokens(engine, request("nobody", prompt), index) == 0
+    assert _cached_tokens(engine, request("alice-2", prompt, cache_salt="alice"), index) == 12
+    assert index.hashes == engine.kv_cache.pool.cached_hashes()
+
+    engine = make_engine(num_blocks=32)
+    engine.add_request(request("a", prompt, cache_salt="alice"))
+    stored = run_checking_events(engine, CachedBlockIndex())
+    first = next(e for e in stored if isinstance(e, BlockStored) and e.parent_block_hash is None)
+    assert first.extra_keys is not None and first.extra_keys[0] == ("alice",)
+    assert first.first_block_salt() == (True, "alice")
+    assert first.block_hashes[0] == hash_block(salt_root("alice"), prompt[:4]) != hash_block(None, prompt[:4])
+    assert len(first.extra_keys) == len(first.block_hashes)
+    # The salt survives the wire, as vLLM's trailing lora_name / extra_keys fields.
+    batch = decode_event_batch(encode_event_batch(EventBatch(1.0, [first])))
+    assert batch.events == [first]

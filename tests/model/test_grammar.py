@@ -4,8 +4,10 @@ model's real tokenizer and real llguidance."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,8 @@ import pytest
 import torch
 
 from tokenline.model.grammar import (
+    MIN_GRAMMAR_BYTES,
+    CompiledGrammar,
     GrammarCompiler,
     bitmask_words,
     fill_bitmasks,
@@ -126,6 +130,70 @@ def test_failed_compilation_raises_with_param_and_is_not_cached(compiler: Gramma
         future.result(timeout=30)
     assert info.value.param == "structured_outputs.regex"
     assert compiler.submit(spec) is not future
+
+
+class SizedCompiler(GrammarCompiler):
+    """Grammars of a size the test names (a regex ``s<MiB>-...``), so eviction is exact."""
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        grammar = super().compile(spec)
+        grammar.nbytes = int((spec.regex or "").split("-")[0][1:]) << 20
+        return grammar
+
+
+def test_cache_is_bounded_in_bytes_least_recently_used_first(default_model_dir: Path) -> None:
+    compiler = SizedCompiler(default_model_dir / "tokenizer.json", VOCAB, [EOS], cache_bytes=10 << 20)
+    a, b, c, d = (StructuredOutputs(regex=f"s3-{name}") for name in "abcd")
+    for spec in (a, b, c):
+        compiler.submit(spec).result(timeout=30)
+    assert (compiler.num_cached, compiler.num_cached_bytes) == (3, 9 << 20)
+    compiler.submit(a).result(timeout=30)  # a hit: a is now the most recently used
+    # Room is made for d (3 MiB, as the last one) before it compiles: b, the least recently used, goes.
+    compiler.submit(d).result(timeout=30)
+    assert (compiler.num_cached, compiler.num_cached_bytes, compiler.num_evictions) == (3, 9 << 20, 1)
+    compiles = len(compiler.compile_seconds)
+    compiler.submit(a).result(timeout=30)
+    compiler.submit(b).result(timeout=30)  # evicted: compiled again (and c goes)
+    assert len(compiler.compile_seconds) == compiles + 1
+    assert compiler.num_cached_bytes <= 10 << 20
+    # An evicted grammar is freed at once, not at the garbage collector's next pass.
+    gc.disable()
+    try:
+        evicted = weakref.ref(compiler.submit(StructuredOutputs(regex="s3-e")).result(timeout=30))
+        compiler.submit(StructuredOutputs(regex="s9-f")).result(timeout=30)
+        assert evicted() is None
+    finally:
+        gc.enable()
+    # One grammar larger than the whole cache serves its request and is not kept.
+    big = compiler.submit(StructuredOutputs(regex="s11-big")).result(timeout=30)
+    assert big.nbytes == 11 << 20 and compiler.num_cached_bytes <= 10 << 20
+    compiler.shutdown()
+
+
+def test_tenants_never_share_a_compilation(compiler: GrammarCompiler) -> None:
+    spec = StructuredOutputs(choice=["red", "green"])
+    alice = compiler.submit(spec, "alice")
+    assert compiler.submit(spec, "alice") is alice
+    bob = compiler.submit(spec, "bob")
+    assert bob is not alice  # compiled again: Bob cannot tell by the time that Alice asked for it
+    assert bob.result(timeout=30) is not alice.result(timeout=30)
+
+
+def test_a_grammar_counts_the_memory_its_lexer_took(compiler: GrammarCompiler) -> None:
+    small = compiler.submit(StructuredOutputs(regex=r"\d{4}-\d{2}-\d{2}")).result(timeout=30)
+    heavy = compiler.submit(StructuredOutputs(regex="((a{100}){100}){4}z")).result(timeout=30)
+    assert MIN_GRAMMAR_BYTES <= small.nbytes < 2 << 20
+    assert heavy.nbytes > 8 << 20  # ~18 MiB of lexer, built by compiling's first mask
+
+
+def test_a_spec_past_the_grammar_limits_fails_with_its_field(compiler: GrammarCompiler) -> None:
+    # Under llguidance's default limits this regex compiled and kept ~186 MiB; under ours its
+    # lexer runs out of fuel within compiling's first step, so the caller gets a 400.
+    future = compiler.submit(StructuredOutputs(regex="((a{100}){100}){100}z<tag>x1"))
+    with pytest.raises(SamplingParamsError) as info:
+        future.result(timeout=60)
+    assert info.value.param == "structured_outputs.regex"
+    assert "too complex" in str(info.value)
 
 
 def test_choice_matches_literally(compiler: GrammarCompiler) -> None:

@@ -70,3 +70,19 @@ def test_users_own_malloc_settings_are_left_alone(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
     assert host_memory.retain_freed_memory() is False
+
+
+def test_allocated_bytes_counts_what_malloc_handed_out() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    before = host_memory.allocated_bytes()
+    if before is None:
+        pytest.skip("no glibc mallinfo2 here")
+    block = libc.malloc(8 << 20)
+    try:
+        assert host_memory.allocated_bytes() - before >= 8 << 20
+    finally:
+        libc.free(ctypes.c_void_p(block))
+    assert host_memory.allocated_bytes() - before < 1 << 20

@@ -14,9 +14,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tokenline.engine.block_pool import BlockPool, hash_block
+from tests.engine.fake_runner import FakeRunner
+from tokenline.engine.block_pool import BlockPool, hash_block, salt_root
+from tokenline.engine.engine_core import EngineCore
+from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_event_batch
 from tokenline.engine.kv_events_zmq import KVEventSubscriber
+from tokenline.engine.messages import EngineRequest
+from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.router.policies import (
     POLICY_NAMES,
     ApproximatePrefix,
@@ -28,6 +33,7 @@ from tokenline.router.policies import (
     make_policy,
 )
 from tokenline.router.policy import REASONS, ReplicaState, RouteDecision, RouteRequest, RoutingPolicy
+from tokenline.sampling_params import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
 B = 16  # block size
@@ -301,6 +307,61 @@ def test_precise_kv_reads_our_own_block_pool_events() -> None:
     assert [type(e) for e in events] == [BlockRemoved]
     policy.on_kv_events("r1", events)
     assert policy.choose(RouteRequest("q", token_ids=tokens), replicas(0, 0)) == RouteDecision("r1", "prefix", 1 * B)
+
+
+def test_precise_kv_keys_salted_blocks_as_the_engine_does() -> None:
+    """A salted prompt's blocks (its tenant's) attract that salt's requests only: the router chains
+    the event's first block on the salt it names, and the request's chain on the request's salt."""
+    pool = BlockPool(num_blocks=4, enable_kv_cache_events=True)
+    tokens = prompt(1, 3)
+    parent = salt_root("tenant-a")
+    for index, block in enumerate(pool.allocate(3)):
+        block_tokens = tokens[index * B : (index + 1) * B]
+        key = hash_block(parent, block_tokens)
+        pool.cache(block, key, None if index == 0 else parent, block_tokens, "tenant-a" if index == 0 else None)
+        parent = key
+    policy = PreciseKV()
+    policy.on_kv_events("r1", pool.take_events())
+    salted = RouteRequest("q", token_ids=tokens, cache_salt="tenant-a")
+    assert policy.choose(salted, replicas(0, 0)) == RouteDecision("r1", "prefix", 3 * B)
+    for other in (RouteRequest("b", token_ids=tokens, cache_salt="tenant-b"), RouteRequest("c", token_ids=tokens)):
+        assert policy.choose(other, replicas(0, 0)).predicted_hit_tokens == 0
+    # vLLM's events name the salt the same way; a first block with other extra keys (an image) is
+    # nothing a text prompt can hit.
+    policy.on_kv_events("r0", [BlockStored([7], None, tokens[:B], B, None, "GPU", None, [("tenant-b",)]),
+                               BlockStored([8], None, prompt(2, 1), B, None, "GPU", None, [("img-uuid", "s")])])
+    assert policy.choose(RouteRequest("b", token_ids=tokens, cache_salt="tenant-b"), replicas(0, 0)) == \
+        RouteDecision("r0", "prefix", B)
+    assert policy.cached_blocks("r0") == 1
+    assert block_chain(tokens, B, "tenant-a")[0] == hash_block(salt_root("tenant-a"), tokens[:B])
+
+
+def test_precise_kv_routes_a_real_engines_salted_blocks_to_the_same_salt_only() -> None:
+    """The engine's KV manager hashes a salted request and the router keys its events and the next
+    request: the same salt finds the blocks, another does not."""
+    engine = EngineCore(FakeRunner(), KVCacheManager(32, B, enable_kv_cache_events=True),
+                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512),
+                        eos_token_ids=[0])
+    tokens = prompt(1, 4)
+    engine.add_request(EngineRequest("a", tokens, SamplingParams(max_tokens=2), cache_salt="tenant-a"))
+    policy = PreciseKV()
+    while engine.has_unfinished_requests():
+        engine.step()
+        policy.on_kv_events("r1", engine.take_kv_events())
+    assert policy.choose(RouteRequest("q", token_ids=tokens, cache_salt="tenant-a"), replicas(0, 0)) == \
+        RouteDecision("r1", "prefix", 4 * B)
+    assert policy.choose(RouteRequest("q", token_ids=tokens, cache_salt="tenant-b"), replicas(0, 0)).reason == \
+        "no_prefix"
+
+
+def test_approximate_prefix_keeps_salts_apart() -> None:
+    policy = make_policy("prefix")
+    tokens = prompt(1, 6)
+    route(policy, RouteRequest("a", token_ids=tokens, cache_salt="alice"), replicas(0, 0))
+    home = policy.choose(RouteRequest("a2", token_ids=tokens, cache_salt="alice"), replicas(0, 0))
+    assert home.reason == "prefix" and home.predicted_hit_tokens == 6 * B
+    bob = RouteRequest("b", token_ids=tokens, cache_salt="bob")
+    assert policy.choose(bob, replicas(0, 0)).predicted_hit_tokens == 0
 
 
 @pytest.mark.parametrize("name", ["prefix", "kv_events"])

@@ -202,6 +202,20 @@ def test_replica_snapshots_become_kv_events_for_the_precise_policy() -> None:
     assert snapshot_events(held, blocks[:1], 16)[0] == []  # the same snapshot twice: nothing new
 
 
+def test_replica_snapshots_keep_a_salted_first_block_routable_for_its_salt_only() -> None:
+    policy = make_policy("kv_events")
+    tokens = list(range(32))
+    blocks = [(b"a", None, tokens[:16], "tenant-a"), (b"b", b"a", tokens[16:32], None)]
+    events, _ = snapshot_events({}, blocks, 16)
+    assert events[0].extra_keys == [("tenant-a",)] and events[1].extra_keys is None
+    policy.on_kv_events("r1", events)
+    replicas = [ReplicaState("r0", block_size=16), ReplicaState("r1", block_size=16)]
+    salted = policy.choose(RouteRequest("q1", token_ids=tokens + [7], cache_salt="tenant-a"), replicas)
+    assert (salted.replica, salted.predicted_hit_tokens) == ("r1", 32)
+    other = policy.choose(RouteRequest("q2", token_ids=tokens + [7], cache_salt="tenant-b"), replicas)
+    assert other.predicted_hit_tokens == 0
+
+
 def _settings(*argv: str) -> RayServeSettings | None:
     settings, _ = serve_settings_from_args(build_parser().parse_args(["serve", *argv]))
     return settings.ray

@@ -268,3 +268,10 @@ def test_a_real_vllm_replay_answer_feeds_the_policy() -> None:
     decision = policy.choose(RouteRequest("q", token_ids=recorded["prompt"]),
                              [ReplicaState("tokenline"), ReplicaState("vllm", block_size=128)])
     assert decision == RouteDecision("vllm", "prefix", 256)
+
+
+def test_the_cache_salt_goes_upstream_as_vllms_field() -> None:
+    request = _request()
+    assert "cache_salt" not in completion_body(request, "m")
+    request.cache_salt = "tenant-3f2a"  # the salt the router's prefix keys were chained on
+    assert completion_body(request, "m")["cache_salt"] == "tenant-3f2a"

@@ -123,6 +123,7 @@ class ServerSettings:
     max_pending_per_address: int | None = 32
     body_timeout: float | None = 60.0  # seconds a request body may take to arrive (else 408)
     body_min_rate: float | None = 500.0  # bytes/s a body must average after its first 5 s (else 408)
+    prefix_cache_scope: str = "tenant"  # who may reuse a cached prompt prefix (gateway/cache_scope.py)
     chat_template: str | None = None  # template source replacing the model's (vLLM's --chat-template)
     generation_config: str = "auto"  # sampling defaults: "auto" (the model's), "vllm" (none) or a folder
     uvicorn_log_level: str = "info"
@@ -171,6 +172,7 @@ def build_gateway(settings: ServerSettings, stats: StatsSource, served_model_nam
         content_filters=load_filter_file(settings.content_filter) if settings.content_filter else (),
         filter_holdback=settings.filter_holdback,
         traces=TraceStore(settings.traces_per_tenant),
+        prefix_cache_scope=settings.prefix_cache_scope,
     )
 
 

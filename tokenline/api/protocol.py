@@ -72,6 +72,7 @@ __all__ = [
 
 MAX_N = 16  # OpenAI allows 128; more choices than this per request is a batch job, not a chat
 MAX_STOP = 16  # OpenAI allows 4
+MAX_CACHE_SALT_CHARS = 1024
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 # torch.Generator.manual_seed accepts exactly this range; outside it the sampler would crash.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -318,6 +319,8 @@ class _GenerationRequest(_Request):
     # default backend ignores a whitespace pattern too).
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's: prompts reuse cached prefixes only with the same salt (within the tenant's own cache).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     _unsupported: ClassVar[tuple[_Unsupported, ...]] = ()
 

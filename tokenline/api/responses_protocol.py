@@ -52,7 +52,7 @@ UNSUPPORTED_RESPONSES_FIELDS: tuple[_Unsupported, ...] = (
 VLLM_SAMPLING_EXTENSIONS = (
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop",
     "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "priority",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "cache_salt",
 )
 
 
@@ -90,6 +90,7 @@ class ResponsesRequest(_Request):
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
     # Informational: accepted, echoed where OpenAI echoes them.
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -75,6 +75,7 @@ class _Generation:
     collector: OutputCollector
     ctx: RequestContext
     guard: OutputGuard | None = None  # the tenant's output filters
+    param_names: dict[str, str] = field(default_factory=dict)  # engine-side names -> the request's
 
     @property
     def response_id(self) -> str:
@@ -211,13 +212,16 @@ class OpenAIServing:
         chat_parser: ChatParserFactory | None = None,
         response_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
+        param_names: dict[str, str] | None = None,
     ) -> _Generation:
         # Tokens are charged before any expensive work: the prompt plus the completion reserved.
         reserved = (params.max_tokens or 0) * params.n * len(prompts)
         await self.gateway.reserve(ctx, sum(len(p) for p in prompts), reserved)
         state = self.processor.fan_out(
             response_id or random_id(prefix), prompts, params, priority=priority, client_request_id=ctx.request_id,
-            chat_parser=chat_parser, session_id=session_id,
+            chat_parser=chat_parser, session_id=session_id, cache_salt=self.gateway.cache_salt(ctx, cache_salt),
+            tenant=ctx.tenant.name if ctx.tenant is not None else None,
         )
         ctx.name_response(state.group_id, state.request_ids)
         # Stamped at the hand-off: the engine may schedule the request while the journal row is written.
@@ -230,7 +234,7 @@ class OpenAIServing:
             raise APIError.unavailable(f"the engine is not available: {exc}") from exc
         self.gateway.journal(ctx, self.served_model_name, sum(len(p) for p in prompts))
         self.gateway.queued(ctx, handed_over)
-        return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx))
+        return _Generation(state, int(time.time()), collector, ctx, self.gateway.output_guard(ctx), param_names or {})
 
     async def _updates(self, gen: _Generation) -> AsyncIterator[list[SequenceUpdate]]:
         """Yield, per batch of engine outputs, one update per sequence that changed.
@@ -247,7 +251,9 @@ class OpenAIServing:
                     try:
                         outputs = await gen.collector.get()
                     except EngineRequestError as exc:
-                        raise APIError.invalid_request(exc) from exc
+                        error = APIError.invalid_request(exc)  # named in the request's terms
+                        error.param = gen.param_names.get(exc.param, exc.param)
+                        raise error from exc
                     except EngineDeadError as exc:
                         abort_reason = ABORT_REASONS["failed"]
                         raise APIError.server_error(f"the engine failed while generating: {exc}") from exc
@@ -393,7 +399,8 @@ class OpenAIServing:
         chat_parser = self.processor.chat_parser(tool_format or False, max_calls=1 if single_call else None)
         return await self._start(
             ctx, "chatcmpl", [prompt_ids], params, request.priority, chat_parser,
-            response_id=response_id, session_id=request.user,
+            response_id=response_id, session_id=request.user, cache_salt=request.cache_salt,
+            param_names=request.param_names,
         )
 
     async def _chat_full(self, gen: _Generation, request: ChatCompletionRequest) -> Response:
@@ -507,7 +514,8 @@ class OpenAIServing:
         _note_deprecated(request, ctx)
         # Every prompt of a batch shares the parameters; the longest one decides the context check.
         params = self._params(request, max(prompts, key=len))
-        gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user)
+        gen = await self._start(ctx, "cmpl", prompts, params, request.priority, session_id=request.user,
+                                cache_salt=request.cache_salt, param_names=request.param_names)
         echoes = None
         if request.echo:  # the caller's own text where it is whole, else the prompt's tokens decoded
             decode = self.tokenizer.decode

@@ -45,6 +45,15 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """What a salted sequence's first block is chained on instead of nothing (vLLM's ``cache_salt``
+    is likewise folded into the first block's key only): every later key descends from it, so two
+    salts never share a block. A router that knows the salt computes the same keys."""
+    if salt is None:
+        return None
+    return hashlib.sha256(b"tokenline cache salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+
+
 class BlockPool:
     def __init__(
         self,
@@ -151,10 +160,14 @@ class BlockPool:
         """The KV cache events recorded since the last call (none when events are off)."""
         return self._events.take() if self._events is not None else []
 
-    def cache(self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
+    def cache(
+        self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
+        salt: str | None = None,
+    ) -> None:
         """Make a block that now holds a full, computed prefix block findable by its hash.
 
-        ``parent_hash`` and ``token_ids`` (the block's tokens) only feed the ``BlockStored`` event.
+        ``parent_hash``, ``token_ids`` (the block's tokens) and ``salt`` (a sequence's first block's
+        cache salt) only feed the ``BlockStored`` event.
         """
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
             return
@@ -165,7 +178,7 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
         if self._events is not None:
-            self._events.stored(block_hash, parent_hash, token_ids)
+            self._events.stored(block_hash, parent_hash, token_ids, salt)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their data but are no longer findable)."""

@@ -82,6 +82,9 @@ class EngineConfig:
     kv_events_topic: str = ""
     # Structured output: a grammar that has not compiled after this long fails its request.
     grammar_compile_timeout_s: float = 10.0
+    # Memory the compiled grammars may hold (model/grammar.py's estimate), least recently used
+    # evicted first; 0: none is kept after its requests.
+    grammar_cache_bytes: int = 256 << 20
     # Threads for the engine's torch ops and kernels (None: torch's default, all cores); with
     # --data-parallel-size the cores are split between the engines.
     num_threads: int | None = None
@@ -133,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"kv cache dtype {self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be positive")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
@@ -273,7 +278,8 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     tokenizer_path = Path(config.tokenizer or model_dir) / "tokenizer.json"
     grammar_compiler = None
     if tokenizer_path.is_file():
-        grammar_compiler = GrammarCompiler(tokenizer_path, runner.sampler.vocab_size, model_config.eos_token_ids)
+        grammar_compiler = GrammarCompiler(tokenizer_path, runner.sampler.vocab_size, model_config.eos_token_ids,
+                                           cache_bytes=config.grammar_cache_bytes)
     return EngineCore(
         runner,
         kv_cache,

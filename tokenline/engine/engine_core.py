@@ -112,7 +112,7 @@ class EngineCore:
         self.scheduler.add(request)
         if spec is not None:
             assert self.grammar_compiler is not None
-            request.grammar_future = self.grammar_compiler.submit(spec)
+            request.grammar_future = self.grammar_compiler.submit(spec, engine_request.tenant)
             request.grammar_submitted = self.clock()
             self._compiling[request.request_id] = request
             self._poll_grammars()  # a cached grammar is ready at once
@@ -231,6 +231,9 @@ class EngineCore:
             stats.grammar_compile_count = len(times)
             stats.grammar_compile_seconds_sum = sum(times)
             stats.grammar_cache_hits = self.grammar_compiler.num_cache_hits
+            stats.grammar_cache_bytes = self.grammar_compiler.num_cached_bytes
+            stats.grammar_cache_entries = self.grammar_compiler.num_cached
+            stats.grammar_cache_evictions = self.grammar_compiler.num_evictions
         return stats
 
     def _start_record(self, batch: ScheduledBatch, start: float) -> StepRecord:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenline.engine.block_pool import BlockPool, hash_block
+from tokenline.engine.block_pool import BlockPool, hash_block, salt_root
 from tokenline.engine.request import Request
 from tokenline.engine.state_checkpoints import StateCheckpointPool
 
@@ -210,7 +210,9 @@ class KVCacheManager:
         hashes, size = request.block_hashes, self.block_size
         for index in range(start, num_full):
             parent = hashes[index - 1] if index else None
-            self.pool.cache(table[index], hashes[index], parent, request.token_ids[index * size : (index + 1) * size])
+            salt = None if index else request.cache_salt
+            self.pool.cache(table[index], hashes[index], parent, request.token_ids[index * size : (index + 1) * size],
+                            salt)
         self._num_indexed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -244,5 +246,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         size = self.block_size
         for index in range(len(hashes), request.num_tokens // size):
-            parent = hashes[-1] if hashes else None
+            # The first block is chained on the request's salt: a tenant's blocks (and, for hybrid
+            # models, the state checkpoints keyed by these hashes) are found by that tenant only.
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
             hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))

@@ -10,9 +10,14 @@ Wire format (the same as vLLM's ``vllm/distributed/kv_events.py``, whose msgspec
 ``array_like`` and tagged): a msgpack array ``[ts, [event, ...], data_parallel_rank]`` where each
 event is an array that starts with its class name::
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium
+     (, lora_name, extra_keys: only when a block has extra keys)]
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
+
+A salted sequence's first block (``EngineRequest.cache_salt``) carries the salt as its extra key,
+``[(salt,), None, ...]``, as vLLM's events carry ``cache_salt``: its hash is chained on
+``block_pool.salt_root(salt)``, so a consumer that keys blocks from their tokens needs the salt too.
 
 Block hashes: ours are the 32-byte chained SHA-256 keys of ``block_pool.hash_block`` and travel as
 msgpack ``bin``; vLLM sends ints or bytes. The decoder keeps whatever arrives, and also reads the
@@ -44,6 +49,23 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None  # None: the engine's one KV cache (we have no CPU/disk tiers)
+    lora_name: str | None = None
+    # Per block, what else its hash covers (vLLM: the cache salt on a sequence's first block,
+    # multimodal ids, a LoRA name); None: nothing, for every block.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+    def first_block_salt(self) -> tuple[bool, str | None]:
+        """(whether the run can be keyed from tokens and a salt alone, the first block's cache salt):
+        False when a block's hash covers more than a salt (multimodal ids, a LoRA)."""
+        extras = self.extra_keys or []
+        if any(e for e in extras[1:]):
+            return False, None
+        first = extras[0] if extras else None
+        if not first:
+            return True, None
+        if len(first) == 1 and isinstance(first[0], str) and self.parent_block_hash is None:
+            return True, first[0]
+        return False, None
 
 
 @dataclass
@@ -80,7 +102,9 @@ class KVEventRecorder:
     def __init__(self) -> None:
         self._events: list[KVCacheEvent] = []
 
-    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
+    def stored(
+        self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int], salt: str | None = None
+    ) -> None:
         last = self._events[-1] if self._events else None
         if (
             isinstance(last, BlockStored)
@@ -90,8 +114,12 @@ class KVEventRecorder:
         ):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
+            if last.extra_keys is not None:
+                last.extra_keys.append(None)
         else:
-            self._events.append(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids)))
+            extra_keys: list[tuple[Any, ...] | None] | None = [(salt,)] if salt is not None else None
+            self._events.append(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids),
+                                            extra_keys=extra_keys))
 
     def removed(self, block_hash: bytes) -> None:
         last = self._events[-1] if self._events else None
@@ -145,8 +173,11 @@ class CachedBlockIndex:
 
 def _event_to_wire(event: KVCacheEvent) -> list[Any]:
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
-                event.block_size, event.lora_id, event.medium]
+        fields = ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
+                  event.block_size, event.lora_id, event.medium]
+        if event.extra_keys is not None:  # msgspec's omit_defaults drops trailing defaults
+            fields += [event.lora_name, event.extra_keys]
+        return fields
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     if isinstance(event, AllBlocksCleared):
@@ -171,21 +202,28 @@ def _event_from_wire(raw: Any) -> KVCacheEvent:
         kind = raw.get("type")
         if kind == "BlockStored":
             return BlockStored(list(raw["block_hashes"]), raw.get("parent_block_hash"), list(raw["token_ids"]),
-                               raw["block_size"], raw.get("lora_id"), raw.get("medium"))
+                               raw["block_size"], raw.get("lora_id"), raw.get("medium"), raw.get("lora_name"),
+                               _extra_keys(raw.get("extra_keys")))
         if kind == "BlockRemoved":
             return BlockRemoved(list(raw["block_hashes"]), raw.get("medium"))
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()
         raise ValueError(f"unknown KV cache event type {kind!r}")
     kind = raw[0]
-    # Fields past the ones we know (vLLM's lora_name, extra_keys, group_idx, ...) are ignored.
+    # Fields past the ones we know (vLLM's group_idx, ...) are ignored.
     if kind == "BlockStored":
-        return BlockStored(list(raw[1]), raw[2], list(raw[3]), raw[4], _pick(raw, 5), _pick(raw, 6))
+        return BlockStored(list(raw[1]), raw[2], list(raw[3]), raw[4], _pick(raw, 5), _pick(raw, 6), _pick(raw, 7),
+                           _extra_keys(_pick(raw, 8)))
     if kind == "BlockRemoved":
         return BlockRemoved(list(raw[1]), _pick(raw, 2))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV cache event type {kind!r}")
+
+
+def _extra_keys(raw: Any) -> list[tuple[Any, ...] | None] | None:
+    # msgpack has no tuples: each block's keys arrive as a list.
+    return None if raw is None else [None if keys is None else tuple(keys) for keys in raw]
 
 
 def decode_event_batch(payload: bytes) -> EventBatch:

@@ -36,6 +36,11 @@ class EngineRequest:
     priority: int = 0  # lower runs first; ties go to the earlier arrival
     client_request_id: str | None = None  # the caller's X-Request-Id: joins engine logs to the edge's
     session_id: str | None = None  # the caller's session key (OpenAI's ``user``): session affinity in a fleet
+    # Folded into the hash of the prompt's first KV block (block_pool.salt_root): prompts with
+    # different salts never share cached blocks. The API process sets it from the tenant and the
+    # caller's ``cache_salt`` (gateway/cache_scope.py); None: the prefix cache is shared.
+    cache_salt: str | None = None
+    tenant: str | None = None  # the caller's tenant: per-tenant engine caches (compiled grammars)
 
 
 @dataclass
@@ -102,6 +107,11 @@ class EngineStats:
     grammar_compile_count: int = 0
     grammar_compile_seconds_sum: float = 0.0
     grammar_cache_hits: int = 0
+    # The compiled-grammar cache: its estimated bytes, its grammars (compiling ones included), and
+    # grammars evicted to keep it within --grammar-cache-bytes.
+    grammar_cache_bytes: int = 0
+    grammar_cache_entries: int = 0
+    grammar_cache_evictions: int = 0
 
 
 @dataclass

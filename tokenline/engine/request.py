@@ -51,6 +51,7 @@ class Request:
         self.stop_reason: int | None = None
         self.timings = RequestTimings(arrival=self.arrival_time)
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        self.cache_salt = engine_request.cache_salt  # salts the first block's hash (block_pool.salt_root)
         self.generator: torch.Generator | None = None
         if self.sampling.seed is not None:
             # Imported here: the scheduler and KV books run without torch in a simulated engine.

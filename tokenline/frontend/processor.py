@@ -229,9 +229,12 @@ class InputProcessor:
         client_request_id: str | None = None,
         chat_parser: ChatParserFactory | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> RequestState:
         """One engine request per prompt and per ``n``: ``{group_id}-{index}``. Each is generated on
-        its own (the prefix cache shares the prompt's blocks); seeded children get distinct seeds."""
+        its own (the prefix cache shares the prompt's blocks); seeded children get distinct seeds.
+        ``cache_salt`` and ``tenant`` scope the engine's caches (``EngineRequest``)."""
         sequences: dict[str, SequenceState] = {}
         requests: list[EngineRequest] = []
         for prompt_index, prompt_ids in enumerate(prompts):
@@ -249,7 +252,7 @@ class InputProcessor:
                 requests.append(
                     EngineRequest(
                         request_id, list(prompt_ids), child, priority=priority, client_request_id=client_request_id,
-                        session_id=session_id,
+                        session_id=session_id, cache_salt=cache_salt, tenant=tenant,
                     )
                 )
         return RequestState(group_id, [list(p) for p in prompts], params, sequences, requests)

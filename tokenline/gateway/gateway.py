@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenline.engine.messages import RequestTimings
+from tokenline.gateway.cache_scope import prefix_cache_salt
 from tokenline.gateway.errors import APIError, shorten
 from tokenline.gateway.filters import VERDICTS, ContentFilter, Decision, OutputGuard
 from tokenline.gateway.keys import KeyStore, Tenant
@@ -105,6 +106,7 @@ class Gateway:
         content_filters: tuple[ContentFilter, ...] = (),
         progress_interval_s: float = 1.0,
         filter_holdback: int | None = None,
+        prefix_cache_scope: str = "tenant",
     ) -> None:
         self.metrics = metrics
         self.keys = keys
@@ -120,6 +122,8 @@ class Gateway:
         self.progress_interval_s = progress_interval_s
         self.content_filters = content_filters  # the default of tenants without their own
         self.filter_holdback = filter_holdback  # characters of output held back; None: each filter's own
+        prefix_cache_salt(prefix_cache_scope, None, None)  # a wrong scope fails here, at start-up
+        self.prefix_cache_scope = prefix_cache_scope  # who may reuse whose cached prefixes (cache_scope.py)
         self.events: LiveEvents | None = None  # the live stream (GET /v1/events), when the app has one
         for f in (*content_filters, *(f for t in (keys.tenants if keys else ()) for f in t.content_filters or ())):
             metrics.declare_filter(f.name, sorted(f.stages), VERDICTS)
@@ -160,6 +164,11 @@ class Gateway:
     def _announce(self, trace: RequestTrace, stage: str, at: float, **extra: Any) -> None:
         if self.events is not None:
             self.events.request(trace, stage, at, **extra)
+
+    def cache_salt(self, ctx: RequestContext, cache_salt: str | None) -> str | None:
+        """The engine's prefix-cache salt for this request (gateway/cache_scope.py)."""
+        tenant = ctx.tenant.name if ctx.tenant is not None else None
+        return prefix_cache_salt(self.prefix_cache_scope, tenant, cache_salt)
 
     def allows_model(self, tenant: Tenant | None, model: str) -> bool:
         return tenant is None or self.keys is None or self.keys.allows_model(tenant, model)

@@ -137,6 +137,12 @@ class _EngineCollector(Collector):
                       stats.grammar_compile_seconds_sum)
         yield counter("tokenline_grammar_cache_hits", "Constrained requests whose grammar was already compiled.",
                       stats.grammar_cache_hits)
+        yield gauge("tokenline_grammar_cache_bytes", "Estimated memory of the compiled grammars kept for reuse.",
+                    stats.grammar_cache_bytes)
+        yield gauge("tokenline_grammar_cache_entries", "Compiled (or compiling) grammars kept for reuse.",
+                    stats.grammar_cache_entries)
+        yield counter("tokenline_grammar_cache_evictions", "Compiled grammars evicted to keep the cache within "
+                      "--grammar-cache-bytes.", stats.grammar_cache_evictions)
         yield GaugeMetricFamily("tokenline_kv_cache_free_blocks", "Free KV cache blocks.", stats.num_free_kv_blocks)
         yield GaugeMetricFamily("tokenline_kv_cache_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks)
         yield GaugeMetricFamily(

@@ -6,6 +6,14 @@ work. The engine builds one :class:`GrammarCompiler` (one ``LLTokenizer`` over t
 ``tokenizer.json``, made once, lazily, in the compiler's thread) and gives each constrained request
 a :class:`GrammarState`. A bitmask row has one bit per token id (bit ``i % 32`` of int32 word
 ``i // 32``); a set bit allows the token, as in llguidance and vLLM.
+
+What one spec may cost is bounded by llguidance's parser limits (:data:`GRAMMAR_LIMITS`, tighter
+than its defaults): a spec past them is refused with a 400 naming its field. Most of a grammar's
+memory is its lexer, built lazily and shared by every copy of the matcher: a regex like
+``((a{100}){100}){100}`` took 186 MiB and 1.1 s at its first mask under llguidance's default fuel,
+about 42 MiB and 0.3 s under these limits. So compiling includes the first masks (and forced
+tokens), in the compiler's thread rather than the step loop, and the cache counts each
+grammar by the memory that took (:meth:`GrammarCompiler.compile`).
 """
 
 from __future__ import annotations
@@ -17,15 +25,47 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from collections import OrderedDict
+from dataclasses import dataclass
 
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
+
+from tokenline.model.host_memory import allocated_bytes
 from tokenline.sampling_params import SamplingParamsError, StructuredOutputs
 
 # JSON is emitted compactly (no free whitespace): a weak model cannot wander off into endless
 # blanks, and ``{"a":1}`` is as valid as ``{ "a": 1 }``.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _JSON_OBJECT_SCHEMA = {"type": "object"}
+
+# llguidance's parser limits for every spec, its defaults in the comments. The lexer's fuel bounds
+# both the time and the memory of building its regexes (~200 bytes a unit: 200k is ~42 MiB at
+# most, where the default 1M let one regex take 186 MiB); its states (1-2 kB each) bound what a
+# grammar grows by while requests generate; verbose errors would quote the parser's state.
+GRAMMAR_LIMITS = {
+    "initial_lexer_fuel": 200_000,  # 1_000_000
+    "step_lexer_fuel": 100_000,  # 200_000, per mask
+    "max_lexer_states": 20_000,  # 250_000
+    "verbose_errors": False,  # True
+}
+# The bounds of a compiled grammar's size estimate: a spec's text costs at least a few bytes a
+# character; the most the limits above let compiling take (measured: 42 MiB) with room to spare,
+# so a measurement swollen by other threads' allocations (see compile) counts as no more.
+MIN_GRAMMAR_BYTES = 64 << 10
+MAX_GRAMMAR_BYTES = 64 << 20
+# What a grammar costs the process beyond the bytes malloc handed it (its lexer is many small
+# allocations; freed ones leave holes): 600 distinct ~11 MiB grammars through a 256 MiB cache grew
+# the engine's RSS by 285-292 MiB, 1.12-1.14x what was counted. Counted in, the bound holds for RSS.
+ALLOCATOR_OVERHEAD = 1.15
+# Compiling walks a copy of the matcher through its masks and forced tokens (``{"name":"`` of a
+# schema, the literal run of a regex) as far as this, as a request's first steps would.
+WARM_UP_ROUNDS = 4
+WARM_UP_FORCED_TOKENS = 16
+
+
+def parser_limits() -> LLParserLimits:
+    return LLParserLimits(**GRAMMAR_LIMITS)
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
@@ -70,7 +110,7 @@ def validate(spec: StructuredOutputs) -> None:
     unsupported schema, a bad regex or Lark grammar. Bounded by llguidance's default parser limits
     (lexer fuel, grammar size), so a huge spec fails fast rather than hanging."""
     text = grammar_text(spec)
-    error = LLMatcher.validate_grammar(text)
+    error = LLMatcher.validate_grammar(text, limits=parser_limits())
     if error:
         raise SamplingParamsError(_param(spec), f"invalid {spec.kind}: {error.strip()}")
 
@@ -89,10 +129,11 @@ def json_schema_error(schema: dict) -> str | None:
 class CompiledGrammar:
     """A compiled grammar: a pristine matcher that each request copies."""
 
-    def __init__(self, matcher: LLMatcher, vocab_size: int, seconds: float) -> None:
+    def __init__(self, matcher: LLMatcher, vocab_size: int, seconds: float, nbytes: int = MIN_GRAMMAR_BYTES) -> None:
         self._template = matcher
         self.vocab_size = vocab_size
         self.seconds = seconds  # how long compiling took
+        self.nbytes = nbytes  # the memory it holds, estimated (GrammarCompiler.compile)
 
     def new_state(self, start_after_token_id: int | None = None) -> GrammarState:
         return GrammarState(self._template.deep_copy(), self.vocab_size, start_after_token_id)
@@ -183,30 +224,56 @@ def fill_bitmasks(bitmask: np.ndarray, rows: Sequence[tuple[GrammarState, int, S
             state.fill_with_drafts(bitmask, row, drafts)
 
 
-class GrammarCompiler:
-    """Compiles specs off the step loop, a cache keyed by ``StructuredOutputs.key()``.
+@dataclass
+class _CacheEntry:
+    future: Future[CompiledGrammar]
+    nbytes: int = 0  # counted once compiled
 
-    ``submit`` returns at once with a future; requests with the same spec share it. A failed
-    compilation's future raises ``SamplingParamsError``; failures are not cached, so a retry recompiles.
+
+class GrammarCompiler:
+    """Compiles specs off the step loop, with a cache bounded in bytes.
+
+    ``submit`` returns at once with a future; requests of one tenant with the same spec share it.
+    Keys are ``(tenant, StructuredOutputs.key())``: a tenant never finds another tenant's grammar
+    compiled, so the time to its first token says nothing about what others asked for. Compiled
+    grammars are kept, least recently used evicted first, while their estimated sizes add up to at
+    most ``cache_bytes`` (with the one being compiled: room is made for it before, guessing it
+    takes what the last one did); one larger than that serves its requests and is not kept. An evicted
+    grammar lives on while requests still use it. A failed compilation's future raises
+    ``SamplingParamsError``; failures are not cached, so a retry recompiles.
     """
 
     def __init__(
-        self, tokenizer_path: Path, vocab_size: int, eos_token_ids: Iterable[int], max_workers: int = 2
+        self, tokenizer_path: Path, vocab_size: int, eos_token_ids: Iterable[int], cache_bytes: int = 256 << 20,
     ) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self.cache_bytes = cache_bytes
+        # One thread: compilations are measured one at a time anyway, and one thread's malloc arena
+        # reuses what evicted grammars freed (two threads' arenas each grew towards the bound).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
+        # One measured compilation at a time (``compile`` may also be called directly): two at once
+        # would each count the other's memory.
+        self._measuring = threading.Lock()
         self._tokenizer: LLTokenizer | None = None
-        self._cache: dict[str, Future[CompiledGrammar]] = {}
+        self._cache: OrderedDict[tuple[str, str], _CacheEntry] = OrderedDict()
         # Counters (read by EngineStats and the benchmark).
         self.compile_seconds: list[float] = []
         self.num_cache_hits = 0
+        self.num_cached_bytes = 0
+        self.num_evictions = 0
+        self._last_nbytes = 0  # the size of the last grammar compiled
 
     @property
     def words(self) -> int:
         return bitmask_words(self.vocab_size)
+
+    @property
+    def num_cached(self) -> int:
+        """Grammars in the cache, compiling ones included."""
+        return len(self._cache)
 
     def tokenizer(self) -> LLTokenizer:
         # About a second for a 250k vocabulary: made once, in the first compiling thread.
@@ -217,31 +284,102 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def submit(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
-        key = spec.key()
+    def submit(self, spec: StructuredOutputs, tenant: str | None = None) -> Future[CompiledGrammar]:
+        key = (tenant or "", spec.key())
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            entry = self._cache.get(key)
+            if entry is not None and not (entry.future.done() and _failed(entry.future)):
+                self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-                return future
-            future = self._pool.submit(self.compile, spec)
-            self._cache[key] = future
-            return future
+                return entry.future
+            entry = _CacheEntry(self._pool.submit(self._compile_to_keep, spec))
+            self._cache[key] = entry
+        # The callback names the key, not the entry: a future holding its entry would make a cycle
+        # that keeps every evicted grammar alive until the garbage collector's next full pass.
+        entry.future.add_done_callback(lambda future: self._settle(key, future))
+        return entry.future
+
+    def _settle(self, key: tuple[str, str], future: Future[CompiledGrammar]) -> None:
+        """A compilation ended: count a kept grammar's bytes and evict down to the bound."""
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None or entry.future is not future:
+                return  # evicted while compiling, or replaced by a retry
+            if _failed(entry.future):
+                del self._cache[key]
+                return
+            entry.nbytes = self._last_nbytes = entry.future.result().nbytes
+            if entry.nbytes > self.cache_bytes:
+                del self._cache[key]  # would flush everything else and still not fit
+                return
+            self.num_cached_bytes += entry.nbytes
+            self._evict_to(self.cache_bytes)
+
+    def _compile_to_keep(self, spec: StructuredOutputs) -> CompiledGrammar:
+        # Room first for what this grammar will take (guessed: as much as the last one), so that
+        # the cache and the grammar being compiled hold no more than the bound together.
+        with self._lock:
+            self._evict_to(self.cache_bytes - self._last_nbytes)
+        return self.compile(spec)
+
+    def _evict_to(self, limit: int) -> None:
+        """Evict compiled grammars, least recently used first, until they hold at most ``limit``
+        bytes (compiling ones hold none yet and stay). Call with the lock held."""
+        for key in [k for k, e in self._cache.items() if e.nbytes]:
+            if self.num_cached_bytes <= limit:
+                return
+            self.num_cached_bytes -= self._cache.pop(key).nbytes
+            self.num_evictions += 1
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
-        """Compile now, in this thread, bypassing the cache (``submit`` runs this in the pool)."""
+        """Compile now, in this thread, bypassing the cache (``submit`` runs this in the pool).
+
+        The matcher is built and a copy of it run through its first masks and forced tokens, as a
+        request's first steps would (``WARM_UP_ROUNDS``): that builds most of the lexer the grammar
+        keeps (shared by every copy), here rather than in the step loop, and a spec past
+        :data:`GRAMMAR_LIMITS` fails now, as its caller's 400. The grammar's size is what malloc
+        handed out meanwhile times ``ALLOCATOR_OVERHEAD``. Every thread's allocations count, the
+        step loop's at the same moment too, so the estimate is clamped to ``[MIN_GRAMMAR_BYTES +
+        2 x the grammar's text, MAX_GRAMMAR_BYTES]``; without glibc it is the maximum. What the
+        lexer adds later, while requests generate, is not counted (measured: under 1 MiB for a
+        grammar whose compiling took 11); ``max_lexer_states`` bounds it.
+        """
         tokenizer = self.tokenizer()  # once per engine; not counted as compile time
-        start = time.perf_counter()
         text = grammar_text(spec)
-        try:
-            matcher = LLMatcher(tokenizer, text, log_level=0)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise SamplingParamsError(_param(spec), f"invalid {spec.kind}: {exc}") from exc
-        if matcher.is_error():
-            raise SamplingParamsError(_param(spec), f"invalid {spec.kind}: {matcher.get_error().strip()}")
-        seconds = time.perf_counter() - start
+        with self._measuring:
+            before = allocated_bytes()
+            start = time.perf_counter()
+            try:
+                matcher = LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise SamplingParamsError(_param(spec), f"invalid {spec.kind}: {exc}") from exc
+            if matcher.is_error():
+                raise SamplingParamsError(_param(spec), f"invalid {spec.kind}: {matcher.get_error().strip()}")
+            self._warm_up(spec, matcher)
+            seconds = time.perf_counter() - start
+            after = allocated_bytes()
+        floor = MIN_GRAMMAR_BYTES + 2 * len(text)
+        measured = MAX_GRAMMAR_BYTES if before is None or after is None else int((after - before) * ALLOCATOR_OVERHEAD)
         self.compile_seconds.append(seconds)
-        return CompiledGrammar(matcher, self.vocab_size, seconds)
+        return CompiledGrammar(matcher, self.vocab_size, seconds, min(max(measured, floor), MAX_GRAMMAR_BYTES))
+
+    def _warm_up(self, spec: StructuredOutputs, matcher: LLMatcher) -> None:
+        probe = matcher.deep_copy()
+        mask = np.zeros(self.words, dtype=np.int32)
+        for _ in range(WARM_UP_ROUNDS):
+            probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            forced = probe.compute_ff_tokens() if not probe.is_error() else []
+            if not forced:
+                break
+            probe.consume_tokens(forced[:WARM_UP_FORCED_TOKENS])
+        if probe.is_error():
+            error = probe.get_error().strip().splitlines()[0]  # past it: "<non-verbose/>"
+            message = f"{spec.kind} is too complex for this server's grammar limits: {error}"
+            raise SamplingParamsError(_param(spec), message)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _failed(future: Future[CompiledGrammar]) -> bool:
+    return future.cancelled() or future.exception() is not None

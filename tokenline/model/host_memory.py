@@ -61,3 +61,20 @@ def return_freed_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def allocated_bytes() -> int | None:
+    """Bytes malloc has handed out and not taken back, over every thread's arena and the chunks it
+    mapped (glibc's ``mallinfo2``): what a piece of work allocated is the change across it. None
+    without glibc 2.33 or later."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)

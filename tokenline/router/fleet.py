@@ -223,7 +223,7 @@ class FleetClient(EngineClient):
             raise EngineDeadError(self.error or "the engine is not running")
         first = requests[0]
         route = RouteRequest(first.request_id, token_ids=first.prompt_token_ids,
-                             session=getattr(first, "session_id", None))
+                             session=getattr(first, "session_id", None), cache_salt=first.cache_salt)
         decision = self._route(route, set(), retry=False)  # NoReplicaError reaches the caller now
         collector = OutputCollector([r.request_id for r in requests])
         self._live.add(collector)

@@ -6,8 +6,9 @@ N local engines, a remote router, Ray Serve and the simulator. ``make_policy`` b
 Load, wherever a policy weighs it, is ``num_running + num_waiting + in_flight`` (``in_flight`` is
 this router's own count, fresher than the replica's last report, so a burst spreads out before the
 replicas report it). Prefix keys are the engine's own block keys (``block_pool.hash_block``: a
-SHA-256 chained over full blocks of ``block_size`` tokens), so a key equal here means the engine
-can reuse that whole prefix.
+SHA-256 chained over full blocks of ``block_size`` tokens, the first chained on the request's cache
+salt, ``block_pool.salt_root``), so a key equal here means the engine can reuse that whole prefix
+for this request: one tenant's cached prompt never attracts another tenant's requests.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tokenline.engine.block_pool import hash_block
+from tokenline.engine.block_pool import hash_block, salt_root
 from tokenline.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVCacheEvent
 from tokenline.router.policy import ReplicaState, RouteDecision, RouteRequest, RoutingPolicy
 
@@ -32,13 +33,14 @@ def load(replica: ReplicaState) -> int:
     return replica.num_running + replica.num_waiting + replica.in_flight
 
 
-def block_chain(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The engine's keys of a prompt's full blocks, in prefix order: ``hash_block`` chained, with
-    the prompt packed once instead of once per block (most of a decision's cost is here)."""
+def block_chain(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The engine's keys of a prompt's full blocks, in prefix order: ``hash_block`` chained from
+    ``salt_root(salt)``, with the prompt packed once instead of once per block (most of a
+    decision's cost is here)."""
     packed = memoryview(array("q", token_ids)).cast("B")
     step = block_size * 8  # bytes per block of int64 ("q") tokens
     chain: list[bytes] = []
-    parent = b""
+    parent = salt_root(salt) or b""
     for start in range(0, len(token_ids) // block_size * step, step):
         digest = hashlib.sha256(parent)
         digest.update(packed[start : start + step])
@@ -121,7 +123,7 @@ class _PrefixMemo:
                 self._pending.popitem(last=False)
         if request.token_ids is not None:
             if block_size not in per_size:
-                per_size[block_size] = block_chain(request.token_ids, block_size)
+                per_size[block_size] = block_chain(request.token_ids, block_size, request.cache_salt)
             return per_size[block_size], block_size
         if request.text is not None:
             if 0 not in per_size:
@@ -304,10 +306,11 @@ class PreciseKV(RoutingPolicy):
     included.
 
     Events may carry our hashes or vLLM's (ints, or bytes made another way), so every stored block
-    is translated to our key from its tokens: ``ours = hash_block(ours of its parent, tokens)``.
-    A block whose parent this policy never saw (events before it subscribed) cannot be chained and
-    is skipped, as are blocks with a LoRA adapter or outside the GPU cache (``medium`` other than
-    None/"GPU"): a plain prompt can never hit them there.
+    is translated to our key from its tokens: ``ours = hash_block(ours of its parent, tokens)``, a
+    sequence's first block chained on the salt its event names (``extra_keys``, as vLLM sends
+    ``cache_salt``). A block whose parent this policy never saw (events before it subscribed) cannot
+    be chained and is skipped, as are blocks with a LoRA adapter, other extra keys (multimodal) or
+    outside the GPU cache (``medium`` other than None/"GPU"): a plain prompt can never hit them there.
 
     ``cost = overlap_weight × (prompt tokens not cached there) + load × typical``, lowest wins, in
     tokens so that replicas with different block sizes compare; ties go to the longer hit (less
@@ -389,7 +392,10 @@ class PreciseKV(RoutingPolicy):
             return
         if len(event.token_ids) != size * len(event.block_hashes):
             return  # not full blocks of one size: nothing we could key
-        parent: bytes | None = None
+        keyable, salt = event.first_block_salt()
+        if not keyable:
+            return
+        parent = salt_root(salt)
         if event.parent_block_hash is not None:
             parent = held.ours.get(event.parent_block_hash)
             if parent is None:

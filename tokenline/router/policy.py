@@ -37,12 +37,15 @@ class ReplicaState:
 class RouteRequest:
     """What a policy may look at. ``token_ids`` is the exact prompt the engine will see, when the
     router tokenized it (tokenline and vLLM upstreams); ``text`` is a fallback key for affinity
-    when it did not; ``session`` is the caller's session key (``user`` or a header), if any."""
+    when it did not; ``session`` is the caller's session key (``user`` or a header), if any;
+    ``cache_salt`` is the salt the engine folds into the prompt's first block
+    (``EngineRequest.cache_salt``), so prefix keys here are the engine's keys."""
 
     request_id: str
     token_ids: Sequence[int] | None = None
     text: str | None = None
     session: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

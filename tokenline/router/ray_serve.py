@@ -133,8 +133,9 @@ class EngineReplica:
         from tokenline.engine.process_client import EngineProcessClient
 
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
-        # Blocks this engine holds, in the order they were stored: hash -> (parent, tokens).
-        self.blocks: dict[Any, tuple[Any, list[int]]] = {}
+        # Blocks this engine holds, in the order they were stored: hash -> (parent, tokens, the cache
+        # salt of a sequence's first block).
+        self.blocks: dict[Any, tuple[Any, list[int], str | None]] = {}
         self.client = EngineProcessClient(config, Path(model_dir), vocab_size, RestartPolicy())
         self.client.add_step_listener(self._on_step)
         self.client.start()
@@ -145,9 +146,11 @@ class EngineReplica:
         for event in step.kv_events:
             if isinstance(event, BlockStored):
                 parent, size = event.parent_block_hash, event.block_size
+                salt = event.first_block_salt()[1]
                 for index, block_hash in enumerate(event.block_hashes):
                     self.blocks.pop(block_hash, None)  # re-stored: newest again
-                    self.blocks[block_hash] = (parent, event.token_ids[index * size:(index + 1) * size])
+                    tokens = event.token_ids[index * size:(index + 1) * size]
+                    self.blocks[block_hash] = (parent, tokens, salt if index == 0 else None)
                     parent = block_hash
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
@@ -186,7 +189,7 @@ class EngineReplica:
             "num_running": stats.num_running, "num_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage, "block_size": self.info.block_size,
             "num_kv_blocks": stats.num_kv_blocks,
-            "blocks": [(h, parent, tokens) for h, (parent, tokens) in blocks],
+            "blocks": [(h, parent, tokens, salt) for h, (parent, tokens, salt) in blocks],
         }
 
     def check_health(self) -> None:
@@ -217,17 +220,19 @@ def resolve_policy(name: str, session_affinity: bool = False, seed: int | None =
     return build_policy(name, session_affinity, seed)
 
 
-def snapshot_events(previous: dict[Any, tuple[Any, list[int]]], blocks: Sequence[tuple[Any, Any, list[int]]],
-                    block_size: int) -> tuple[list[KVCacheEvent], dict[Any, tuple[Any, list[int]]]]:
-    """The KV events that turn the blocks a replica reported last time into what it reports now."""
-    current = {h: (parent, tokens) for h, parent, tokens in blocks}
+def snapshot_events(previous: dict[Any, tuple[Any, ...]], blocks: Sequence[tuple[Any, ...]],
+                    block_size: int) -> tuple[list[KVCacheEvent], dict[Any, tuple[Any, ...]]]:
+    """The KV events that turn the blocks a replica reported last time into what it reports now.
+    A block is ``(hash, parent, tokens[, cache salt of a sequence's first block])``."""
+    current = {h: tuple(rest) for h, *rest in blocks}
     events: list[KVCacheEvent] = []
     removed = [h for h in previous if h not in current]
     if removed:
         events.append(BlockRemoved(removed))
-    for block_hash, (parent, tokens) in current.items():
+    for block_hash, (parent, tokens, *salt) in current.items():
         if block_hash not in previous:
-            events.append(BlockStored([block_hash], parent, list(tokens), block_size))
+            extra_keys = [(salt[0],)] if salt and salt[0] is not None else None
+            events.append(BlockStored([block_hash], parent, list(tokens), block_size, extra_keys=extra_keys))
     return events, current
 
 
@@ -338,7 +343,7 @@ def _route_request(pending_request: PendingRequest | None) -> RouteRequest | Non
         return None
     first = requests[0]
     return RouteRequest(pending_request.metadata.internal_request_id, token_ids=first.prompt_token_ids,
-                        session=getattr(first, "session_id", None))
+                        session=getattr(first, "session_id", None), cache_salt=first.cache_salt)
 
 
 # --- deploying and the client --------------------------------------------------------------------

@@ -97,6 +97,10 @@ def completion_body(request: EngineRequest, model: str) -> dict[str, Any]:
         raise UnmappableRequest("prompt_logprobs", "prompt logprobs (and echo's scoring) cannot be sent to an upstream yet")
     if params.max_tokens is not None:
         body["max_tokens"] = params.max_tokens
+    if request.cache_salt is not None:
+        # vLLM's field: the upstream salts the prompt's first block with it (and names it in its
+        # KV events), so this router's prefix keys are the upstream's.
+        body["cache_salt"] = request.cache_salt
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
         value = getattr(params, name)
         if value is not None:
