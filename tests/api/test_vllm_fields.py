@@ -68,9 +68,16 @@ def test_guided_fields_are_aliases_of_structured_outputs(field: str, value: Any,
     for request in (chat_request, completion_request):
         assert request.to_sampling_params().structured_outputs == spec
         assert request.guided_fields == [field]
-    # The backend and whitespace fields choose how, not what: accepted, and they change nothing.
-    ignored = {"guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": r"[ ]?"}
-    assert CompletionRequest(model="m", prompt="x", **{field: value}, **ignored).structured_spec() == spec
+    # A vLLM backend name chooses how, not what: accepted, and it changes nothing.
+    backend = {"guided_decoding_backend": "xgrammar"}
+    assert CompletionRequest(model="m", prompt="x", **{field: value}, **backend).structured_spec() == spec
+
+
+def test_guided_fields_that_cannot_be_honoured_are_refused(client: TestClient) -> None:
+    assert_error(completion(client, guided_regex="a+", guided_whitespace_pattern=r"[ ]?"), 400,
+                 "guided_whitespace_pattern")
+    assert_error(chat(client, guided_choice=["a"], guided_decoding_backend="no-such-backend"), 400,
+                 "guided_decoding_backend")
 
 
 def test_guided_fields_through_the_processor(client: TestClient) -> None:

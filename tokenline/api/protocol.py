@@ -233,6 +233,8 @@ UNSUPPORTED_COMPLETION_FIELDS: tuple[_Unsupported, ...] = (
 )
 # Older vLLM's spelling of structured_outputs (deprecated there too): each an alias of one kind.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's names for its structured-output engines (guided_decoding_backend).
+VLLM_DECODING_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 
 
 class StructuredOutputsField(_Request):
@@ -315,9 +317,10 @@ class _GenerationRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Accepted and ignored: they choose how a constraint is enforced, not what it allows (vLLM's
-    # default backend ignores a whitespace pattern too).
+    # Which of vLLM's engines enforces the constraint: here llguidance always does, and the
+    # constraint holds the same, so any of vLLM's names is accepted; an unknown one is a 400.
     guided_decoding_backend: str | None = None
+    # Not supported (it would change which outputs the constraint allows): a 400 when set.
     guided_whitespace_pattern: str | None = None
     # vLLM's: prompts reuse cached prefixes only with the same salt (within the tenant's own cache).
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -330,6 +333,20 @@ class _GenerationRequest(_Request):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             whole = "; -1 (the whole vocabulary) is not supported" if value == -1 else ""
             raise _invalid(f"must be in [0, {MAX_LOGPROBS}]{whole}")
+        return value
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _check_guided_decoding_backend(cls, value: str | None) -> str | None:
+        if value is not None and value not in VLLM_DECODING_BACKENDS:
+            raise _invalid(f"must be one of {', '.join(VLLM_DECODING_BACKENDS)} (llguidance enforces it either way)")
+        return value
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _check_guided_whitespace_pattern(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise _invalid("is not supported: tokenline cannot hold JSON whitespace to a pattern")
         return value
 
     @field_validator("truncate_prompt_tokens")
