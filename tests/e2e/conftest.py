@@ -32,24 +32,28 @@ class Server:
         return f"{self.base_url}/v1"
 
     def metrics(self, api_key: str | None = None) -> dict[str, float]:
-        """The samples of /metrics by name; a sample labelled only with the model name is keyed by
-        its bare name too (``vllm:num_requests_running``), others by ``name{labels}``. ``api_key``:
-        with keys configured, /metrics wants an admin key."""
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        response = httpx.get(f"{self.base_url}/metrics", headers=headers, timeout=10)
-        assert response.status_code == 200, response.text
-        text = response.text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
-                if name.endswith("}") and name.count("=") == 1 and "{model_name=" in name:
-                    values[name.split("{", 1)[0]] = float(value)
-        return values
+        """The samples of /metrics (see ``scrape_metrics``). ``api_key``: with keys configured,
+        /metrics wants an admin key."""
+        return scrape_metrics(f"{self.base_url}/metrics", api_key)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """The samples of a Prometheus page by name; a sample labelled only with the model name is
+    keyed by its bare name too (``vllm:num_requests_running``), others by ``name{labels}``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(url, headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+            if name.endswith("}") and name.count("=") == 1 and "{model_name=" in name:
+                values[name.split("{", 1)[0]] = float(value)
+    return values
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, free_port, start_server, wait_until
+from tests.e2e.conftest import Server, free_port, scrape_metrics, start_server, wait_until
 from tokenline.api.http_protocol import BODY_RATE_GRACE_S
 from tokenline.gateway.connection_budget import PENDING_GRACE_S
 
@@ -49,10 +49,7 @@ class Budgeted:
         return sock
 
     def metric(self, sample: str) -> float:
-        for line in httpx.get(self.metrics_url, timeout=10).text.splitlines():
-            if line.startswith(sample + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return scrape_metrics(self.metrics_url).get(sample, 0.0)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import Server, free_port, start_server
+from tests.e2e.conftest import Server, free_port, scrape_metrics, start_server
 from tests.reliability.conftest import chat_body
 
 pytestmark = pytest.mark.reliability
@@ -51,10 +51,7 @@ class Flooded:
         return int(self.server.base_url.rsplit(":", 1)[1])
 
     def metric(self, sample: str) -> float:
-        for line in httpx.get(self.metrics_url, timeout=10).text.splitlines():
-            if line.startswith(sample + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return scrape_metrics(self.metrics_url).get(sample, 0.0)
 
 
 @pytest.fixture(scope="module")
