@@ -146,7 +146,7 @@ def test_loglikelihoods_equal_transformers(samples: dict[str, Any], hf: tuple[An
             worst = max(worst, abs(loglikelihood - expected))
             assert abs(loglikelihood - expected) < TOLERANCE, (context, continuation, loglikelihood, expected)
             assert greedy == expected_greedy
-    print(f"lm-eval log-likelihoods vs transformers: max abs diff {worst:.2e} nats")  # the README's figure
+    print(f"lm-eval log-likelihoods vs transformers: max abs diff {worst:.2e} nats")  # the benchmark report's figure (docs/benchmarks)
     assert [doc["acc"] for doc in docs] == [1.0, 1.0]  # the model knows these
 
 
