@@ -33,7 +33,10 @@ class ModelConfig:
     mlp_bias: bool = False
     torch_dtype: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
-    layer_types: list[str] = field(default_factory=list)  # "full_attention" / "linear_attention" per layer
+    # Per layer: "full_attention", "sliding_attention" (sees the last ``sliding_window`` positions)
+    # or "linear_attention" (recurrent state, no KV), as HF configs name them.
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None  # tokens a sliding_attention layer attends to, itself included
     raw: dict[str, Any] = field(default_factory=dict)  # the whole (text) config, for model-specific keys
 
     @classmethod
@@ -77,7 +80,8 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             generation_config=generation,
-            layer_types=list(raw.get("layer_types") or _default_layer_types(raw)),
+            layer_types=(layer_types := list(raw.get("layer_types") or _default_layer_types(raw))),
+            sliding_window=raw.get("sliding_window") if "sliding_attention" in layer_types else None,
             raw=raw,
         )
 
@@ -97,11 +101,15 @@ class ModelConfig:
         return len(self.layer_types) - self.num_full_attention_layers
 
     @property
+    def num_sliding_attention_layers(self) -> int:
+        return sum(1 for t in self.layer_types if t == "sliding_attention")
+
+    @property
     def is_hybrid(self) -> bool:
         return self.num_linear_attention_layers > 0
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V one token occupies: only full-attention layers store any."""
+        """Bytes of K and V one token occupies: only attention layers (full and sliding) store any."""
         return 2 * self.num_full_attention_layers * self.num_key_value_heads * self.head_dim * dtype_size
 
 
@@ -121,9 +129,13 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _default_layer_types(raw: dict[str, Any]) -> list[str]:
     """Without ``layer_types``: every ``full_attention_interval``-th layer is full attention and the
-    others linear (how hybrid configs state it), or all full attention."""
+    others linear (how hybrid configs state it), every ``sliding_window_pattern``-th full and the
+    others sliding (older Gemma 3 configs), or all full attention."""
     interval = raw.get("full_attention_interval")
     layers = raw["num_hidden_layers"]
+    pattern = raw.get("sliding_window_pattern")
+    if raw.get("sliding_window") and pattern:
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if not interval:
         return ["full_attention"] * layers
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
