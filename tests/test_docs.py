@@ -1,7 +1,8 @@
 """The docs hold what they promise: the site builds in MkDocs' strict mode (a broken link, a missing
 page or a page left out of the nav fails), every `tokenline …` command line in a code block of the
-README or the site parses with the real argument parser, and every relative link in the README
-leads to a file (and every README anchor to a heading)."""
+README or the site parses with the real argument parser (and every flag a command quoted in prose
+names exists), and every relative link in the README leads to a file (and every README anchor to
+a heading)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,25 @@ def test_every_documented_command_line_parses() -> None:
         error = _parse_error(_argv(words))
         if error:
             wrong.append(f"{page.relative_to(REPO)}:{number}: tokenline {words}\n    {error}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_flags_in_inline_commands_exist() -> None:
+    """Prose quotes commands in code spans with placeholders (`tokenline simulate --replicas N`):
+    too loose to parse, but every flag such a span names must be an option of its command."""
+    wrong = []
+    for page in PAGES:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in re.findall(r"`(?:\S*/)?tokenline ([a-z][^`]*)`", prose):
+            parser = build_parser()
+            words = span.split()
+            for word in words:  # down to the (sub)command the span names
+                if parser.commands is None or word not in parser.commands.choices:
+                    break
+                parser = parser.commands.choices[word]
+            flags = [word.split("=")[0] for word in words if word.startswith("--")]
+            wrong += [f"{page.relative_to(REPO)}: tokenline {span}: {flag}" for flag in flags
+                      if flag not in parser._option_string_actions]
     assert not wrong, "\n".join(wrong)
 
 
