@@ -1,6 +1,6 @@
 """bench/router_vllm_check.py without vLLM (CI has none): it imports, and with no vLLM venv it says
-how to install one and exits 2 before starting anything. The real run is documented in README
-("Serving many replicas")."""
+how to install one and exits 2 before starting anything. The real run is documented in
+docs/operate/fleet.md ("A real vLLM behind the router")."""
 
 from __future__ import annotations
 

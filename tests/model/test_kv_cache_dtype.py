@@ -38,7 +38,7 @@ def test_default_model_with_a_bfloat16_cache(default_model_dir: Path) -> None:
     # Both paths read the same rounded cache: the same greedy tokens.
     assert fused == torch_path
     # The first token comes from the prefill's own float32 K/V; later ones read the rounded cache,
-    # whose error is far below most greedy margins (the figures are in the README).
+    # whose error is far below most greedy margins (figures: docs/benchmarks, quantization).
     assert [t[0] for t in fused] == [t[0] for t in float_tokens]
     agreeing = sum(a == b for f, p in zip(fused, float_tokens) for a, b in zip(f, p))
     assert agreeing >= len(PROMPTS) * 24 // 2, (fused, float_tokens)

@@ -1,4 +1,4 @@
-"""bench/router_decision.py runs end to end at a small size (its real figures are in the README)."""
+"""bench/router_decision.py runs end to end at a small size (its real figures are in docs/operate/fleet.md)."""
 
 from __future__ import annotations
 

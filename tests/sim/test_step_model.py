@@ -196,7 +196,7 @@ def test_prefill_attention_pairs_price_a_chunk_over_a_cached_prefix() -> None:
     assert fit.b_fused == pytest.approx(0.0014, rel=0.15)
     old = StepModel(a=0.02, b=0.0028, c=0.003, d=4e-6)
     assert old.predict(fresh(32)) == pytest.approx(0.02 + 32 * 0.0028 + 32 * 4e-6)
-    turn, short_over_long = followup(70, 450), followup(32, 1024)  # the README's multi-turn workload's turns
+    turn, short_over_long = followup(70, 450), followup(32, 1024)  # the multi-turn workload's turns (docs/benchmarks)
     for f in (turn, short_over_long, fresh(128)):
         assert fit.predict(f) == pytest.approx(truth.predict(f), rel=0.03)
     assert blind.predict(turn) < 0.95 * truth.predict(turn)

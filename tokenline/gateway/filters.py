@@ -182,7 +182,7 @@ class ModerationFilter:
         self.stages = frozenset(stages)
         self.output_chars = output_chars
         self.overlap_chars = overlap_chars
-        self.holdback = 0  # judged in windows of output_chars; see the README on holding those back
+        self.holdback = 0  # judged in windows of output_chars; see docs/operate/safety.md on holding those back
         self._client: httpx.AsyncClient | None = None  # made on first use, inside the event loop
 
     async def aclose(self) -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 # Steps of up to this many tokens (decode rows, small prefill chunks, draft runs) run the one-call
-# layer kernel (measured on the default model: README, "Dispatch at small batches"). Here, not in
+# layer kernel (measured on the default model: docs/benchmarks, "Dispatch at small batches"). Here, not in
 # the decoder, so the torch-free simulator prices the same boundary the engine takes.
 FUSED_DECODE_ROWS = 64
 

@@ -42,7 +42,7 @@ def bf16_fused_rows() -> int:
     """The most tokens a step of a bfloat16 model may have for its one-call layers, which multiply
     with our streaming kernel (tl_linear_bf16_blocked). Without AMX that beats the per-operator path
     at every step size up to FUSED_DECODE_ROWS (the default model, 2 threads: 0.72x its time at 1
-    row, 0.57x at 8, 0.84x at 32 while that path still took oneDNN past 8 rows; README); with AMX,
+    row, 0.57x at 8, 0.84x at 32 while that path still took oneDNN past 8 rows; docs/benchmarks); with AMX,
     where oneDNN multiplies on tiles, only up to the rows its own Linear streams
     (layers.small_batch_rows). Either way both paths then multiply alike: the same bits."""
     return small_batch_rows() if cpu_kernels.cpu_has_amx() else FUSED_DECODE_ROWS

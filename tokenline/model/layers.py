@@ -30,7 +30,7 @@ def small_batch_rows() -> int:
     streaming kernel serves a packed bfloat16 weight on CPU: 2 where oneDNN multiplies on AMX tiles
     (the developers' machine); on AVX512-BF16 without AMX, up to the one-call layer's 64, where it
     beats oneDNN at every row count (2 threads, the default model's shapes: the layer's linears
-    0.7x oneDNN's time at 16-64 rows, the 49152-row head 0.7-0.75x; README, "Many rows")."""
+    0.7x oneDNN's time at 16-64 rows, the 49152-row head 0.7-0.75x; docs/benchmarks, "Many rows")."""
     return 2 if cpu_kernels.cpu_has_amx() else cpu_kernels.DECODE_LAYER_MAX_ROWS
 
 # The batch size oneDNN lays packed weights out for; any batch size still works with them.

@@ -285,7 +285,7 @@ static inline __attribute__((always_inline)) void prepare_query(const int dtype,
 
 /* always_inline: as an out-of-line function GCC finds it free of side effects and drops the calls.
  * Into L2 (T1), not L1: a tile's 32-64 lines requested at once into L1 held up the loads behind them
- * on the AVX-512 EPYC here (batch 32 x 320 tokens from memory: 785 -> 392 us a layer; README). */
+ * on the AVX-512 EPYC here (batch 32 x 320 tokens from memory: 785 -> 392 us a layer; docs/benchmarks). */
 static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t index, int64_t n, int dtype) {
     const char *p = (const char *)base + index * (dtype == TL_BFLOAT16 ? 2 : 4);
     const int64_t bytes = n * (dtype == TL_BFLOAT16 ? 2 : 4);
@@ -1368,7 +1368,7 @@ static inline __attribute__((always_inline)) void blocked_rows_avx512(const uint
  * threads a block behind, and a thread's part of a shared block reads only its own cache lines of each
  * pair. Each row tile's pass over a block prefetches its share of the thread's next block into L2, so
  * the weights' DRAM stream is spread over all the passes instead of stalling the first (the default
- * model's gate|up at 32 rows, 2 threads: 0.86x the time; README "Dispatch at small batches"). */
+ * model's gate|up at 32 rows, 2 threads: 0.86x the time; docs/benchmarks, "Dispatch at small batches"). */
 static void linear_bf16_blocked_many(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N,
                                      int64_t K, int64_t NB, int64_t P) {
     const int64_t per_block = NB / 16;
@@ -1475,7 +1475,7 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
  * same bits whatever M and whatever the tile. Rows go in tiles of TL_MR, the last up to TL_MR_MAX
  * rows in one tile: with AVX-512's registers that is 12, so 7-12 rows are one tile instead of a full
  * one and a tile of 1-6 rows whose few FMA chains wait on each other's latency (a step's linears at
- * 7 rows 0.73x the time, single thread, README). */
+ * 7 rows 0.73x the time, single thread, docs/benchmarks). */
 #define TL_PANEL 16
 #define TL_MR 6
 #if defined(__AVX512F__)
