@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import shlex
 import subprocess
@@ -29,7 +30,9 @@ needs_mkdocs = pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, re
 
 
 def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"}
+    # this checkout's tokenline for the hook that generates the reference pages
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "NO_MKDOCS_2_WARNING": "1"}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
                           cwd=config.parent, env=env, capture_output=True, text=True, timeout=120)
 
