@@ -23,15 +23,17 @@ def _cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _subcommands(parser: argparse.ArgumentParser, prefix: str) -> list[tuple[str, argparse.ArgumentParser]]:
-    """(``tokenline serve``, its parser) for every (sub)command that takes flags, depth first."""
+def _subcommands(parser: argparse.ArgumentParser, prefix: str,
+                 summary: str = "") -> list[tuple[str, str, argparse.ArgumentParser]]:
+    """(``tokenline serve``, its one-line help, its parser) for every (sub)command, depth first."""
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
             for name, sub in action.choices.items():
-                found += _subcommands(sub, f"{prefix} {name}")
+                found += _subcommands(sub, f"{prefix} {name}", helps.get(name, ""))
             return found
-    return [(prefix, parser)]
+    return [(prefix, summary, parser)]
 
 
 def configuration_markdown() -> str:
@@ -41,8 +43,8 @@ def configuration_markdown() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `tokenline.cli.build_parser()` at each docs build: every command's flags, "
              "their defaults and help, exactly as `tokenline COMMAND --help` gives them.", ""]
-    for command, parser in _subcommands(build_parser(), "tokenline"):
-        lines += [f"## `{command}`", "", _cell(parser.description or ""), "",
+    for command, summary, parser in _subcommands(build_parser(), "tokenline"):
+        lines += [f"## `{command}`", "", _cell(parser.description or summary), "",
                   "| flag | default | help |", "|---|---|---|"]
         for action in parser._actions:
             if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
