@@ -517,6 +517,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from tokenline.model.model_store import resolve_model
     from tokenline.sim.calibrate import calibrate
+    from tokenline.sim.calibration_load import CalibrationUnderLoad, LoadPolicy
 
     if args.request_overhead_ms is not None and args.request_overhead_ms < 0:
         print("tokenline bench calibrate: --request-overhead-ms must be >= 0", file=sys.stderr)
@@ -527,7 +528,16 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
         print(f"tokenline bench calibrate: {e}", file=sys.stderr)
         return 2
     overhead = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
-    profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run)
+    try:
+        policy = LoadPolicy(max_share=args.max_neighbour_cpu, retries=args.load_retries, allow_load=args.allow_load)
+        profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run,
+                            threads=args.threads, load_policy=policy)
+    except ValueError as e:
+        print(f"tokenline bench calibrate: {e}", file=sys.stderr)
+        return 2
+    except CalibrationUnderLoad as e:
+        print(f"tokenline bench calibrate: refused: {e}", file=sys.stderr)
+        return 3
     m = profile.step_model
     b_fused = m.b if m.b_fused is None else m.b_fused
     print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token ({b_fused * 1e3:.4f} in the one-call layer) "
@@ -541,6 +551,12 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     if profile.server_steps:
         print(f"in a server: step x {profile.step_scale:.3f} + {profile.step_overhead_s * 1e3:.2f} ms "
               f"(over {profile.server_steps} steps), {profile.request_overhead_s * 1e3:.1f} ms per request")
+    load = profile.load or {}
+    print(("UNDER LOAD, kept (--allow-load): " if load.get("under_load") else "load: ")
+          + "; ".join([f"neighbours took {load.get('before_share', 0):.0%} of the CPU before, "
+                       f"{load.get('mean_share', 0):.0%} on average, {load.get('worst_share', 0):.0%} at worst "
+                       f"(threshold {load.get('max_share', 0):.0%}); {load.get('repeated', 0)} of "
+                       f"{load.get('stretches', 0)} stretches run again", *load.get("notes", [])]))
     profile.write(args.output)
     print(f"profile written to {args.output}")
     return 0
@@ -549,6 +565,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tokenline.engine.engine_core import RequestRejected
     from tokenline.sim.profile import Profile, ProfileError
+    from tokenline.sim.profile_check import profile_warning, this_setup
     from tokenline.sim.replicas import format_replicas, simulate_replicas
     from tokenline.sim.simulate import SimConfig, sim_target, simulate
 
@@ -563,6 +580,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks,
         )
         target = sim_target(profile, config)
+        if config.what_if.model_config is None and config.what_if.machine in (None, "this"):
+            setup = this_setup(args.dtype, args.threads, args.max_num_batched_tokens)
+            if (warning := profile_warning(profile, setup, args.profile)) is not None:
+                print(f"tokenline simulate: {warning}", file=sys.stderr)
         if args.replicas != 1 or args.workload != "random" or args.shared_prefix_len:
             report = simulate_replicas(profile, config, fleet_config_from_args(args), target)
         else:
@@ -917,6 +938,16 @@ def build_parser() -> CommandLineParser:
                         "(default: measured by the server run, else 0)")
     p.add_argument("--no-server-run", dest="server_run", action="store_false",
                    help="skip the short real-server run that fits the per-step and per-request server overheads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads to calibrate with (default: torch's, as serve starts with)")
+    p.add_argument("--max-neighbour-cpu", type=float, default=0.10, metavar="SHARE",
+                   help="share of the machine's CPU (0-1) other processes may take during a stretch of runs before "
+                        "it is run again or the calibration refused")
+    p.add_argument("--load-retries", type=int, default=2,
+                   help="times a stretch of runs taken under load is run again before it counts as loaded")
+    p.add_argument("--allow-load", action="store_true",
+                   help="keep a calibration taken under load (the profile records it, simulate warns) instead of "
+                        "refusing it")
     p.set_defaults(func=cmd_bench_calibrate)
 
     p = commands.add_parser("simulate", help="the real scheduler and KV cache on a simulated clock, from a "
@@ -939,6 +970,11 @@ def build_parser() -> CommandLineParser:
                    help="what if: another machine: this (the calibrated one), h200, h100, a100-80gb, l4, or a JSON "
                         "file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
     p.add_argument("--request-overhead-ms", type=float, default=None, help="override the profile's")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the simulated server's dtype (serve's --dtype), checked against the profile's")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the simulated server's torch threads (default: torch's, as serve), checked against the "
+                        "profile's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     p.add_argument("--replicas", type=int, default=1,
