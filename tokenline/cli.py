@@ -967,8 +967,9 @@ def build_parser() -> CommandLineParser:
                    help="what if: another model (an HF config.json, e.g. tokenline/sim/configs/qwen3.5-27b.json); "
                         "step times scaled from the profile by a roofline ratio")
     p.add_argument("--machine", default=None, metavar="NAME|PATH",
-                   help="what if: another machine: this (the calibrated one), h200, h100, a100-80gb, l4, or a JSON "
-                        "file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
+                   help="what if: another machine: this (the calibrated one), a GPU of the table (h100, h200, "
+                        "a100-40gb, a100-80gb, l40s, rtx4090, l4: priced by the accelerator step model, not from "
+                        "the calibration), or a JSON file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
     p.add_argument("--request-overhead-ms", type=float, default=None, help="override the profile's")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the simulated server's dtype (serve's --dtype), checked against the profile's")
