@@ -357,6 +357,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tokenline.model.model_store import resolve_model
     from tokenline.model.plan import plan_memory
 
+    if args.accelerator is not None:
+        return cmd_plan_fleet(args)
+    if args.memory is None:
+        print("tokenline plan: --memory GIB (a memory plan) or --accelerator NAME (a fleet plan) is required",
+              file=sys.stderr)
+        return 2
     source = Path(args.model) if args.model else None
     if source is not None and source.suffix == ".json":
         config = ModelConfig.from_dict(json.loads(source.read_text()))  # a bare config: no weights needed
@@ -364,6 +370,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config = ModelConfig.from_dir(resolve_model(args.model))
     dtype_size = 4 if args.dtype == "float32" else 2
     print(plan_memory(config, args.memory, args.seq_len, dtype_size, args.hybrid_state_checkpoints).format())
+    return 0
+
+
+def cmd_plan_fleet(args: argparse.Namespace) -> int:
+    """``plan --accelerator``: a fleet from a traffic forecast (sim/fleet_plan.py)."""
+    import json
+
+    from tokenline.model.model_store import resolve_model
+    from tokenline.sim.fleet_plan import DEFAULT_DAILY_CURVE, Forecast, PlanError, Slo, plan_fleet, users_to_rps
+    from tokenline.sim.machine import MachineError, load_machine
+    from tokenline.sim.plan_plot import write_plan_html
+    from tokenline.sim.sim_target import read_model_config
+
+    try:
+        source = args.model if args.model and args.model.endswith(".json") else str(resolve_model(args.model))
+        config = read_model_config(source)
+        machine = load_machine(args.accelerator)
+        slo = Slo(args.ttft_p99_ms, args.tpot_p50_ms, args.tpot_p99_ms)
+        curve = tuple(float(x) for x in args.daily_curve.split(",")) if args.daily_curve else DEFAULT_DAILY_CURVE
+        if (args.peak_rps is None) == (args.concurrent_users is None):
+            raise PlanError("give the peak as one of --peak-rps or --concurrent-users")
+        # Users wait for an answer (about its output at the TPOT objective) and think before the next.
+        peak = args.peak_rps if args.peak_rps is not None else users_to_rps(
+            args.concurrent_users, args.think_time, 0.5 + args.output_len * args.tpot_p50_ms / 1000)
+        forecast = Forecast(peak, args.input_len, args.output_len, args.input_spread, args.output_spread,
+                            args.shared_prefix_fraction, args.turns, args.think_time, curve)
+        plan = plan_fleet(config, Path(source).stem if source.endswith(".json") else Path(source).name, machine,
+                          forecast, slo, args.price_per_hour, (args.hosted_price_input, args.hosted_price_output),
+                          args.headroom, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    except (ValueError, OSError) as e:  # PlanError, MachineError and a bad config are ValueErrors
+        print(f"tokenline plan: {e}", file=sys.stderr)
+        return 2
+    print(plan.format())
+    if args.plot:
+        write_plan_html(plan, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     return 0
 
 
@@ -761,6 +805,44 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "tenant whether another sent a prompt)")
 
 
+def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
+    """``plan --accelerator``'s forecast, SLO and price flags (docs/planner.md)."""
+    from tokenline.sim.fleet_plan import WORKERS_AI_PRICE
+
+    g = p.add_argument_group("fleet plan")
+    g.add_argument("--accelerator", default=None, metavar="NAME|PATH",
+                   help="plan a fleet on this GPU of the table (h100, h200, a100-40gb, a100-80gb, l40s, rtx4090, l4) "
+                        "or a machine JSON file with its achieved fractions")
+    g.add_argument("--price-per-hour", type=float, default=None, help="US$ per GPU-hour (default: the table's assumption)")
+    g.add_argument("--peak-rps", type=float, default=None, help="forecast: requests per second at the peak hour")
+    g.add_argument("--concurrent-users", type=float, default=None,
+                   help="forecast: users at the peak, each sending a request, reading it and thinking --think-time")
+    g.add_argument("--think-time", type=float, default=10.0, help="seconds between a user's (or a chat's) requests")
+    g.add_argument("--daily-curve", default=None, metavar="24 LOADS",
+                   help="comma-separated load of each hour 0-23, the peak hour 1 (default: a working day's shape)")
+    g.add_argument("--input-len", type=int, default=1024, help="forecast: mean prompt tokens")
+    g.add_argument("--output-len", type=int, default=256, help="forecast: mean output tokens")
+    g.add_argument("--input-spread", type=float, default=0.5, help="coefficient of variation of prompt lengths (log-normal)")
+    g.add_argument("--output-spread", type=float, default=0.5, help="coefficient of variation of output lengths")
+    g.add_argument("--shared-prefix-fraction", type=float, default=0.0,
+                   help="share of a first prompt that is a system prompt every request shares")
+    g.add_argument("--turns", type=int, default=1, help="requests per conversation (later turns carry the history)")
+    g.add_argument("--ttft-p99-ms", type=float, default=2000.0, help="SLO: time to first token, 99th percentile")
+    g.add_argument("--tpot-p50-ms", type=float, default=50.0, help="SLO: time per output token, median")
+    g.add_argument("--tpot-p99-ms", type=float, default=100.0, help="SLO: time per output token, 99th percentile")
+    g.add_argument("--headroom", type=float, default=0.2, help="spare capacity to keep at the peak (0.2: 20 %%)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="fix the GPUs per replica (default: the fewest whose memory holds the model and meets the SLOs)")
+    g.add_argument("--hosted-price-input", type=float, default=WORKERS_AI_PRICE[0],
+                   help="hosted price to compare, US$ per M input tokens (default: Workers AI's Qwen3.8-27B)")
+    g.add_argument("--hosted-price-output", type=float, default=WORKERS_AI_PRICE[1],
+                   help="hosted price to compare, US$ per M output tokens")
+    g.add_argument("--plot", default=None, metavar="PLAN.html",
+                   help="write the latency-load and cost-load charts (self-contained HTML with SVG)")
+    g.add_argument("--output-json", default=None, help="write the plan as JSON")
+    g.add_argument("--seed", type=int, default=0, help="the simulated workload's seed")
+
+
 def build_parser() -> CommandLineParser:
     parser = CommandLineParser(prog="tokenline", description="LLM inference server")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -812,13 +894,16 @@ def build_parser() -> CommandLineParser:
     add_vllm_args(p)
     p.set_defaults(func=cmd_router)
 
-    p = commands.add_parser("plan", help="memory plan: weights, KV per token, state per sequence, sequences that fit")
+    p = commands.add_parser("plan", help="memory plan (--memory): weights, KV per token, state per sequence, "
+                                         "sequences that fit; fleet plan (--accelerator): replicas, settings, "
+                                         "latency and cost per million tokens for a traffic forecast")
     p.add_argument("--model", default=None, help="model directory, .gguf file or a config.json (default: SmolLM2)")
-    p.add_argument("--memory", type=float, required=True, help="GiB of memory for weights + KV + states")
+    p.add_argument("--memory", type=float, default=None, help="memory plan: GiB of memory for weights + KV + states")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--hybrid-state-checkpoints", type=int, default=0, metavar="N",
                    help="hybrid models: state checkpoint slots to count (prefix caching)")
+    add_fleet_plan_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = commands.add_parser("make-test-model", help="write a tiny random-weight model in HF format (tests, demos)")
