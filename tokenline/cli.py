@@ -398,7 +398,8 @@ def cmd_plan_fleet(args: argparse.Namespace) -> int:
                             args.shared_prefix_fraction, args.turns, args.think_time, curve)
         plan = plan_fleet(config, Path(source).stem if source.endswith(".json") else Path(source).name, machine,
                           forecast, slo, args.price_per_hour, (args.hosted_price_input, args.hosted_price_output),
-                          args.headroom, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                          args.headroom, tuple(int(x) for x in args.max_num_seqs_options.split(",")),
+                          tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     except (ValueError, OSError) as e:  # PlanError, MachineError and a bad config are ValueErrors
         print(f"tokenline plan: {e}", file=sys.stderr)
         return 2
@@ -831,6 +832,8 @@ def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tpot-p50-ms", type=float, default=50.0, help="SLO: time per output token, median")
     g.add_argument("--tpot-p99-ms", type=float, default=100.0, help="SLO: time per output token, 99th percentile")
     g.add_argument("--headroom", type=float, default=0.2, help="spare capacity to keep at the peak (0.2: 20 %%)")
+    g.add_argument("--max-num-seqs-options", default="256", metavar="N[,N...]",
+                   help="max-num-seqs values to try per replica (default: vLLM's 256)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="fix the GPUs per replica (default: the fewest whose memory holds the model and meets the SLOs)")
     g.add_argument("--hosted-price-input", type=float, default=WORKERS_AI_PRICE[0],

@@ -10,7 +10,8 @@ import pytest
 
 from tokenline.cli import main
 from tokenline.model.registry import model_class
-from tokenline.sim.fleet_plan import Forecast, PlanError, Slo, plan_fleet
+from tokenline.sim.accelerator import accelerator_cost
+from tokenline.sim.fleet_plan import Forecast, PlanError, Slo, build_replica, plan_fleet
 from tokenline.sim.machine import load_machine
 from tokenline.sim.sim_target import read_model_config
 
@@ -44,9 +45,22 @@ def test_a_qwen_hybrid_plan_on_h200_prints_replicas_costs_and_writes_its_charts(
     assert plan["replicas"] * chosen["capacity_rps"] >= 6 * 1.2 - 1e-9
     assert plan["peak"]["tpot_p99_ms"] <= plan["slo"]["tpot_p99_ms"]
     assert plan["cost_per_m_input"] > 0 and plan["cost_per_m_output"] > plan["cost_per_m_input"]
-    assert chosen["tp"] == 1 and plan["weights_gb"] > 50  # 54 GB of bf16 weights fit one H200's 141 GB
+    assert plan["weights_gb"] > 50 and chosen["max_num_seqs"] == 256
+    # 54 GB of bf16 weights fit one H200's 141 GB, but not beside 256 sequences' recurrent states and
+    # their 512 prefix-cache checkpoints: the smallest replica is two GPUs.
+    assert min(c["tp"] for c in plan["candidates"]) == 2
     page = html.read_text()
     assert page.count("<svg") == 3 and "SLO p99" in page and "hosted output $3.20" in page
+
+
+def test_a_hybrid_replica_sizes_its_states_and_checkpoints_from_memory() -> None:
+    config = read_model_config(QWEN)
+    cost = accelerator_cost(config)
+    h200 = load_machine("h200")
+    assert build_replica(config, cost, h200, 1, 256) is None
+    one, two = build_replica(config, cost, h200, 1, 64), build_replica(config, cost, h200, 2, 64)
+    assert one is not None and two is not None and one.num_checkpoints == 128 and one.num_state_slots == 64
+    assert two.num_kv_blocks > 2 * one.num_kv_blocks  # the second GPU's memory is all cache
 
 
 def test_more_traffic_needs_more_replicas_and_a_big_model_needs_tensor_parallelism() -> None:

@@ -120,6 +120,9 @@ def calibrate(
     import torch
 
     design = design or CalibrationDesign()
+    # First, before minutes of loading and warming up: a busy machine is refused in seconds.
+    watch = LoadWatch(load_policy or LoadPolicy())
+    watch.wait_for_quiet()
     if threads is not None:
         torch.set_num_threads(threads)
     model_config = ModelConfig.from_dir(model_dir)
@@ -145,8 +148,6 @@ def calibrate(
     _run(core, prompts(1, 16), 4)  # warm-up: first-call costs are not step time
     core.take_step_records()
     recorder.features.clear()
-    watch = LoadWatch(load_policy or LoadPolicy())
-    watch.wait_for_quiet()
     deadline = time.monotonic() + design.max_seconds
     # (batch, prompt length, tokens, cached prefix): pure prefills, follow-ups, then decode batches.
     # Each repeat in its own shuffled order, so a load that rises or falls on a shared machine biases

@@ -1,8 +1,8 @@
 """``tokenline plan --accelerator``: from a traffic forecast to replicas, settings, latency and cost
 per million tokens.
 
-Each candidate replica (the smallest tensor-parallel degree whose weights fit, and a few
-``max-num-seqs``) runs the real ``Scheduler`` and ``KVCacheManager`` through ``EngineCore`` on a
+Each candidate replica (the smallest tensor-parallel degree whose weights fit and twice it,
+at vLLM's default ``max-num-seqs`` or the ones asked for) runs the real ``Scheduler`` and ``KVCacheManager`` through ``EngineCore`` on a
 simulated clock, its steps priced by the accelerator step model (``accelerator.py``), under an
 open-loop Poisson load of the forecast's requests (lengths drawn from its distributions, a shared
 system prompt, multi-turn follow-ups over their history). A sweep of loads gives the
@@ -40,7 +40,7 @@ DEFAULT_DAILY_CURVE = (0.30, 0.25, 0.22, 0.20, 0.20, 0.22, 0.30, 0.45, 0.62, 0.7
 # Workers AI's published price for @cf/qwen/qwen3.8-27b, US$ per million input / output tokens.
 WORKERS_AI_PRICE = (0.45, 3.20)
 VLLM_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's default step budget for an API server on a large GPU
-LOAD_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.95)  # of a replica's saturated rate, for the curve
+LOAD_FRACTIONS = (0.25, 0.5, 0.75, 0.95)  # of a replica's saturated rate, for the curve
 TP_DEGREES = (1, 2, 4, 8)
 
 
@@ -258,12 +258,14 @@ def workload(forecast: Forecast, rps: float, num_requests: int, vocab: int, max_
 
 def run_open_loop(model: AcceleratorStepModel, requests: list[_Request], num_kv_blocks: int, max_num_seqs: int,
                   max_num_batched_tokens: int, max_model_len: int, num_state_slots: int, vocab: int,
-                  request_overhead_s: float, offered_rps: float, block_size: int = 16) -> LoadPoint:
+                  request_overhead_s: float, offered_rps: float, block_size: int = 16,
+                  num_checkpoints: int = 0) -> LoadPoint:
     """One replica (the real scheduler and KV books on a simulated clock) under ``requests``, sent
     at ``offered_rps``."""
     clock = SimClock()
     recorder = _SplitRecorder(model)
-    kv = KVCacheManager(num_kv_blocks, block_size, True, num_state_slots)
+    kv = KVCacheManager(num_kv_blocks, block_size, True, num_state_slots, num_checkpoints=num_checkpoints,
+                        checkpoint_interval=4 * block_size if num_checkpoints else 0)
     core = EngineCore(PlaceholderRunner(clock, recorder, vocab), kv,
                       SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len), clock=clock)
@@ -318,6 +320,7 @@ class Replica:
     max_model_len: int
     vocab: int
     request_overhead_s: float
+    num_checkpoints: int = 0  # hybrid models' state checkpoints (prefix caching)
 
 
 def build_replica(config: ModelConfig, cost: AcceleratorCost, machine: Machine, tp: int, max_num_seqs: int,
@@ -325,26 +328,29 @@ def build_replica(config: ModelConfig, cost: AcceleratorCost, machine: Machine, 
     """None when the weights and one state slot per sequence leave no KV block on ``tp`` GPUs."""
     usable = tp * (machine.memory_gb or 0) * 1e9 * MEMORY_UTILIZATION
     slots = max_num_seqs if config.is_hybrid else 0
-    left = usable - cost.cost.weight_bytes - slots * cost.cost.state_bytes_per_sequence
+    # A hybrid model's prefix caching needs state checkpoints (serve's default: 2 per sequence slot).
+    checkpoints = 2 * max_num_seqs if config.is_hybrid else 0
+    left = usable - cost.cost.weight_bytes - (slots + checkpoints) * cost.cost.state_bytes_per_sequence
     blocks = int(left // (cost.cost.kv_bytes_per_token * block_size)) if left > 0 else 0
     if blocks < 1:
         return None
     overhead = (machine.request_overhead_ms or 0.0) / 1e3
     return Replica(AcceleratorStepModel(cost, machine, tp), blocks, slots,
                    min(max_model_len or config.max_position_embeddings, config.max_position_embeddings),
-                   config.vocab_size, overhead)
+                   config.vocab_size, overhead, checkpoints)
 
 
 def measure(replica: Replica, forecast: Forecast, rps: float, num_requests: int, max_num_seqs: int,
             max_num_batched_tokens: int, seed: int = 0) -> LoadPoint:
     requests = workload(forecast, rps, num_requests, replica.vocab, replica.max_model_len, seed)
     return run_open_loop(replica.model, requests, replica.num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                         replica.max_model_len, replica.num_state_slots, replica.vocab, replica.request_overhead_s, rps)
+                         replica.max_model_len, replica.num_state_slots, replica.vocab, replica.request_overhead_s, rps,
+                         num_checkpoints=replica.num_checkpoints)
 
 
 def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast: Forecast, slo: Slo,
                price_per_hour: float | None = None, hosted_price: tuple[float, float] = WORKERS_AI_PRICE,
-               headroom: float = 0.2, max_num_seqs_options: tuple[int, ...] = (64, 256),
+               headroom: float = 0.2, max_num_seqs_options: tuple[int, ...] = (256,),
                tensor_parallel_size: int | None = None, num_requests: int = 200, sweep_requests: int = 100,
                max_num_batched_tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS, seed: int = 0) -> FleetPlan:
     price = price_per_hour if price_per_hour is not None else machine.price_per_hour
@@ -358,14 +364,18 @@ def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast:
     longest = forecast.turns * (forecast.input_len + forecast.output_len) * 4
     degrees = (tensor_parallel_size,) if tensor_parallel_size else TP_DEGREES
     candidates: list[Candidate] = []
+    smallest = None
     for tp in degrees:
+        # The smallest group that holds the model and the next: a latency objective (TTFT of
+        # long prompts) can make a wider group cheaper per request than more narrow ones.
+        if smallest is not None and tp > 2 * smallest:
+            break
         for seqs in max_num_seqs_options:
             replica = build_replica(config, cost, machine, tp, seqs, max_model_len=max(longest, 4096))
             if replica is None:
                 continue
+            smallest = smallest or tp
             candidates.append(_sweep(replica, forecast, slo, tp, seqs, sweep_requests, max_num_batched_tokens, seed))
-        if candidates and tensor_parallel_size is None and any(c.capacity_rps > 0 for c in candidates):
-            break  # the smallest group that fits and meets the SLOs: a larger one only adds communication
     if not candidates:
         raise PlanError(f"{model_name}'s weights ({cost.cost.weight_bytes / 1e9:.0f} GB) leave no KV block on "
                         f"{' or '.join(str(d) for d in degrees)} x {machine.name} ({machine.memory_gb:g} GB each)")
