@@ -814,7 +814,8 @@ def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accelerator", default=None, metavar="NAME|PATH",
                    help="plan a fleet on this GPU of the table (h100, h200, a100-40gb, a100-80gb, l40s, rtx4090, l4) "
                         "or a machine JSON file with its achieved fractions")
-    g.add_argument("--price-per-hour", type=float, default=None, help="US$ per GPU-hour (default: the table's assumption)")
+    g.add_argument("--price-per-hour", type=float, default=None,
+                   help="US$ per GPU-hour (default: the table's assumption)")
     g.add_argument("--peak-rps", type=float, default=None, help="forecast: requests per second at the peak hour")
     g.add_argument("--concurrent-users", type=float, default=None,
                    help="forecast: users at the peak, each sending a request, reading it and thinking --think-time")
@@ -823,7 +824,8 @@ def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated load of each hour 0-23, the peak hour 1 (default: a working day's shape)")
     g.add_argument("--input-len", type=int, default=1024, help="forecast: mean prompt tokens")
     g.add_argument("--output-len", type=int, default=256, help="forecast: mean output tokens")
-    g.add_argument("--input-spread", type=float, default=0.5, help="coefficient of variation of prompt lengths (log-normal)")
+    g.add_argument("--input-spread", type=float, default=0.5,
+                   help="coefficient of variation of prompt lengths (log-normal)")
     g.add_argument("--output-spread", type=float, default=0.5, help="coefficient of variation of output lengths")
     g.add_argument("--shared-prefix-fraction", type=float, default=0.0,
                    help="share of a first prompt that is a system prompt every request shares")
@@ -835,7 +837,8 @@ def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs-options", default="256", metavar="N[,N...]",
                    help="max-num-seqs values to try per replica (default: vLLM's 256)")
     g.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="fix the GPUs per replica (default: the fewest whose memory holds the model and meets the SLOs)")
+                   help="fix the GPUs per replica (default: the fewest whose memory holds the model, and twice "
+                        "that; the cheaper within the SLOs)")
     g.add_argument("--hosted-price-input", type=float, default=WORKERS_AI_PRICE[0],
                    help="hosted price to compare, US$ per M input tokens (default: Workers AI's Qwen3.8-27B)")
     g.add_argument("--hosted-price-output", type=float, default=WORKERS_AI_PRICE[1],

@@ -11,7 +11,7 @@ import pytest
 from tokenline.cli import main
 from tokenline.model.registry import model_class
 from tokenline.sim.accelerator import accelerator_cost
-from tokenline.sim.fleet_plan import Forecast, PlanError, Slo, build_replica, plan_fleet
+from tokenline.sim.fleet_plan import Forecast, PlanError, Slo, build_replica, plan_fleet, users_to_rps
 from tokenline.sim.machine import load_machine
 from tokenline.sim.sim_target import read_model_config
 
@@ -26,7 +26,8 @@ GEMMA = str(FIXTURES / "gemma-3-27b.json")
 def small_plan(config: str, machine: str, peak: float, **kwargs: object):
     forecast = Forecast(peak_rps=peak, input_len=512, output_len=64)
     return plan_fleet(read_model_config(config), Path(config).stem, load_machine(machine), forecast, Slo(),
-                      num_requests=48, sweep_requests=32, max_num_seqs_options=(64,), **kwargs)  # type: ignore[arg-type]
+                      num_requests=48, sweep_requests=32, max_num_seqs_options=(64,),
+                      **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_qwen_hybrid_plan_on_h200_prints_replicas_costs_and_writes_its_charts(
@@ -100,6 +101,11 @@ def test_bad_fleet_plans_are_one_line_errors(capsys: pytest.CaptureFixture[str])
     assert "--daily-curve" in refused("--accelerator", "h100", "--peak-rps", "1", "--daily-curve", "1,2")
     assert "--shared-prefix-fraction" in refused("--accelerator", "h100", "--peak-rps", "1",
                                                  "--shared-prefix-fraction", "1.5")
+
+
+def test_concurrent_users_become_requests_per_second_by_littles_law() -> None:
+    # 1,200 users, each waiting 5 s for an answer and thinking 10 s: 80 requests a second.
+    assert users_to_rps(1200, 10.0, 5.0) == pytest.approx(80.0)
 
 
 def test_the_memory_plan_still_works(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,8 +2,8 @@
 per million tokens.
 
 Each candidate replica (the smallest tensor-parallel degree whose weights fit and twice it,
-at vLLM's default ``max-num-seqs`` or the ones asked for) runs the real ``Scheduler`` and ``KVCacheManager`` through ``EngineCore`` on a
-simulated clock, its steps priced by the accelerator step model (``accelerator.py``), under an
+at vLLM's default ``max-num-seqs`` or the ones asked for) runs the real ``Scheduler`` and
+``KVCacheManager`` through ``EngineCore`` on a simulated clock, its steps priced by the accelerator step model (``accelerator.py``), under an
 open-loop Poisson load of the forecast's requests (lengths drawn from its distributions, a shared
 system prompt, multi-turn follow-ups over their history). A sweep of loads gives the
 latency–throughput curve; the highest load that meets the SLOs is a replica's capacity; replicas

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenline.sim.accelerator import AcceleratorStepModel, accelerator_cost
+from tokenline.sim.accelerator import accelerator_cost
 from tokenline.sim.fleet_plan import VLLM_MAX_NUM_BATCHED_TOKENS, build_replica
 from tokenline.sim.machine import load_machine
 from tokenline.sim.placeholder_runner import SimClock
