@@ -155,7 +155,7 @@ class FleetPlan:
         rows = [
             ("model / accelerator", f"{self.model} on {self.accelerator} at ${self.price_per_hour:.2f}/GPU-hour; "
                                     f"weights {self.weights_gb:.1f} GB"),
-            ("forecast", f"peak {self.forecast.peak_rps:g} req/s, {self.forecast.input_len} in / "
+            ("forecast", f"peak {self.forecast.peak_rps:.4g} req/s, {self.forecast.input_len} in / "
                          f"{self.forecast.output_len} out tokens (mean), shared prefix "
                          f"{self.forecast.shared_prefix_fraction:.0%}, {self.forecast.turns} turn(s); "
                          f"off-peak {min(self.forecast.daily_curve):.0%} of peak"),
