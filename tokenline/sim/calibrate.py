@@ -148,7 +148,7 @@ def calibrate(
     _run(core, prompts(1, 16), 4)  # warm-up: first-call costs are not step time
     core.take_step_records()
     recorder.features.clear()
-    deadline = time.monotonic() + design.max_seconds
+    deadline = [time.monotonic() + design.max_seconds]  # moved on by the time of discarded stretches
     # (batch, prompt length, tokens, cached prefix): pure prefills, follow-ups, then decode batches.
     # Each repeat in its own shuffled order, so a load that rises or falls on a shared machine biases
     # no one coefficient.
@@ -160,24 +160,25 @@ def calibrate(
     def item(batch: int, length: int, tokens: int, cached: int) -> Callable[[], None]:
         def run() -> None:
             if cached:
-                if time.monotonic() < deadline:  # the prefix's own prefill, then the follow-up over it
+                if time.monotonic() < deadline[0]:  # the prefix's own prefill, then the follow-up over it
                     prefix = prompts(1, cached)
                     _run(core, prefix, 1)
                     _run(core, [prefix[0] + prompts(1, length)[0]], 1)
-            elif tokens == 1 or time.monotonic() < deadline:
+            elif tokens == 1 or time.monotonic() < deadline[0]:
                 _run(core, prompts(batch, length), tokens)
         return run
 
     records: list = []
 
-    def begin() -> tuple[int, int]:
+    def begin() -> tuple[int, int, float]:
         records.extend(core.take_step_records())
-        return len(recorder.features), len(records)
+        return len(recorder.features), len(records), time.monotonic()
 
-    def discard(mark: tuple[int, int]) -> None:  # a loaded stretch's steps, before it runs again
+    def discard(mark: tuple[int, int, float]) -> None:  # a loaded stretch's steps, before it runs again
         core.take_step_records()
         del recorder.features[mark[0]:]
         del records[mark[1]:]
+        deadline[0] += time.monotonic() - mark[2]  # a repeat does not eat the design's later runs
 
     items = [item(*run) for _ in range(design.repeats) for run in rng.sample(runs, len(runs))]
     watch.run_stretches(items, begin, discard)
