@@ -357,6 +357,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tokenline.model.model_store import resolve_model
     from tokenline.model.plan import plan_memory
 
+    if args.accelerator is not None:
+        return cmd_plan_fleet(args)
+    if args.memory is None:
+        print("tokenline plan: --memory GIB (a memory plan) or --accelerator NAME (a fleet plan) is required",
+              file=sys.stderr)
+        return 2
     source = Path(args.model) if args.model else None
     if source is not None and source.suffix == ".json":
         config = ModelConfig.from_dict(json.loads(source.read_text()))  # a bare config: no weights needed
@@ -364,6 +370,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config = ModelConfig.from_dir(resolve_model(args.model))
     dtype_size = 4 if args.dtype == "float32" else 2
     print(plan_memory(config, args.memory, args.seq_len, dtype_size, args.hybrid_state_checkpoints).format())
+    return 0
+
+
+def cmd_plan_fleet(args: argparse.Namespace) -> int:
+    """``plan --accelerator``: a fleet from a traffic forecast (sim/fleet_plan.py)."""
+    import json
+
+    from tokenline.model.model_store import resolve_model
+    from tokenline.sim.fleet_plan import DEFAULT_DAILY_CURVE, Forecast, PlanError, Slo, plan_fleet, users_to_rps
+    from tokenline.sim.machine import MachineError, load_machine
+    from tokenline.sim.plan_plot import write_plan_html
+    from tokenline.sim.sim_target import read_model_config
+
+    try:
+        source = args.model if args.model and args.model.endswith(".json") else str(resolve_model(args.model))
+        config = read_model_config(source)
+        machine = load_machine(args.accelerator)
+        slo = Slo(args.ttft_p99_ms, args.tpot_p50_ms, args.tpot_p99_ms)
+        curve = tuple(float(x) for x in args.daily_curve.split(",")) if args.daily_curve else DEFAULT_DAILY_CURVE
+        if (args.peak_rps is None) == (args.concurrent_users is None):
+            raise PlanError("give the peak as one of --peak-rps or --concurrent-users")
+        # Users wait for an answer (about its output at the TPOT objective) and think before the next.
+        peak = args.peak_rps if args.peak_rps is not None else users_to_rps(
+            args.concurrent_users, args.think_time, 0.5 + args.output_len * args.tpot_p50_ms / 1000)
+        forecast = Forecast(peak, args.input_len, args.output_len, args.input_spread, args.output_spread,
+                            args.shared_prefix_fraction, args.turns, args.think_time, curve)
+        plan = plan_fleet(config, Path(source).stem if source.endswith(".json") else Path(source).name, machine,
+                          forecast, slo, args.price_per_hour, (args.hosted_price_input, args.hosted_price_output),
+                          args.headroom, tuple(int(x) for x in args.max_num_seqs_options.split(",")),
+                          tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    except (ValueError, OSError) as e:  # PlanError, MachineError and a bad config are ValueErrors
+        print(f"tokenline plan: {e}", file=sys.stderr)
+        return 2
+    print(plan.format())
+    if args.plot:
+        write_plan_html(plan, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     return 0
 
 
@@ -517,6 +562,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from tokenline.model.model_store import resolve_model
     from tokenline.sim.calibrate import calibrate
+    from tokenline.sim.calibration_load import CalibrationUnderLoad, LoadPolicy
 
     if args.request_overhead_ms is not None and args.request_overhead_ms < 0:
         print("tokenline bench calibrate: --request-overhead-ms must be >= 0", file=sys.stderr)
@@ -527,7 +573,16 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
         print(f"tokenline bench calibrate: {e}", file=sys.stderr)
         return 2
     overhead = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
-    profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run)
+    try:
+        policy = LoadPolicy(max_share=args.max_neighbour_cpu, retries=args.load_retries, allow_load=args.allow_load)
+        profile = calibrate(model_dir, args.dtype, request_overhead_s=overhead, server_run=args.server_run,
+                            threads=args.threads, load_policy=policy)
+    except ValueError as e:
+        print(f"tokenline bench calibrate: {e}", file=sys.stderr)
+        return 2
+    except CalibrationUnderLoad as e:
+        print(f"tokenline bench calibrate: refused: {e}", file=sys.stderr)
+        return 3
     m = profile.step_model
     b_fused = m.b if m.b_fused is None else m.b_fused
     print(f"step_s = {m.a * 1e3:.3f} ms + {m.b * 1e3:.4f} ms/prefill token ({b_fused * 1e3:.4f} in the one-call layer) "
@@ -541,6 +596,12 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     if profile.server_steps:
         print(f"in a server: step x {profile.step_scale:.3f} + {profile.step_overhead_s * 1e3:.2f} ms "
               f"(over {profile.server_steps} steps), {profile.request_overhead_s * 1e3:.1f} ms per request")
+    load = profile.load or {}
+    print(("UNDER LOAD, kept (--allow-load): " if load.get("under_load") else "load: ")
+          + "; ".join([f"neighbours took {load.get('before_share', 0):.0%} of the CPU before, "
+                       f"{load.get('mean_share', 0):.0%} on average, {load.get('worst_share', 0):.0%} at worst "
+                       f"(threshold {load.get('max_share', 0):.0%}); {load.get('repeated', 0)} of "
+                       f"{load.get('stretches', 0)} stretches run again", *load.get("notes", [])]))
     profile.write(args.output)
     print(f"profile written to {args.output}")
     return 0
@@ -549,6 +610,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tokenline.engine.engine_core import RequestRejected
     from tokenline.sim.profile import Profile, ProfileError
+    from tokenline.sim.profile_check import profile_warning, this_setup
     from tokenline.sim.replicas import format_replicas, simulate_replicas
     from tokenline.sim.simulate import SimConfig, sim_target, simulate
 
@@ -563,6 +625,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks,
         )
         target = sim_target(profile, config)
+        if config.what_if.model_config is None and config.what_if.machine in (None, "this"):
+            setup = this_setup(args.dtype, args.threads, args.max_num_batched_tokens)
+            if (warning := profile_warning(profile, setup, args.profile)) is not None:
+                print(f"tokenline simulate: {warning}", file=sys.stderr)
         if args.replicas != 1 or args.workload != "random" or args.shared_prefix_len:
             report = simulate_replicas(profile, config, fleet_config_from_args(args), target)
         else:
@@ -740,6 +806,49 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "tenant whether another sent a prompt)")
 
 
+def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
+    """``plan --accelerator``'s forecast, SLO and price flags (docs/planner.md)."""
+    from tokenline.sim.fleet_plan import WORKERS_AI_PRICE
+
+    g = p.add_argument_group("fleet plan")
+    g.add_argument("--accelerator", default=None, metavar="NAME|PATH",
+                   help="plan a fleet on this GPU of the table (h100, h200, a100-40gb, a100-80gb, l40s, rtx4090, l4) "
+                        "or a machine JSON file with its achieved fractions")
+    g.add_argument("--price-per-hour", type=float, default=None,
+                   help="US$ per GPU-hour (default: the table's assumption)")
+    g.add_argument("--peak-rps", type=float, default=None, help="forecast: requests per second at the peak hour")
+    g.add_argument("--concurrent-users", type=float, default=None,
+                   help="forecast: users at the peak, each sending a request, reading it and thinking --think-time")
+    g.add_argument("--think-time", type=float, default=10.0, help="seconds between a user's (or a chat's) requests")
+    g.add_argument("--daily-curve", default=None, metavar="24 LOADS",
+                   help="comma-separated load of each hour 0-23, the peak hour 1 (default: a working day's shape)")
+    g.add_argument("--input-len", type=int, default=1024, help="forecast: mean prompt tokens")
+    g.add_argument("--output-len", type=int, default=256, help="forecast: mean output tokens")
+    g.add_argument("--input-spread", type=float, default=0.5,
+                   help="coefficient of variation of prompt lengths (log-normal)")
+    g.add_argument("--output-spread", type=float, default=0.5, help="coefficient of variation of output lengths")
+    g.add_argument("--shared-prefix-fraction", type=float, default=0.0,
+                   help="share of a first prompt that is a system prompt every request shares")
+    g.add_argument("--turns", type=int, default=1, help="requests per conversation (later turns carry the history)")
+    g.add_argument("--ttft-p99-ms", type=float, default=2000.0, help="SLO: time to first token, 99th percentile")
+    g.add_argument("--tpot-p50-ms", type=float, default=50.0, help="SLO: time per output token, median")
+    g.add_argument("--tpot-p99-ms", type=float, default=100.0, help="SLO: time per output token, 99th percentile")
+    g.add_argument("--headroom", type=float, default=0.2, help="spare capacity to keep at the peak (0.2: 20 %%)")
+    g.add_argument("--max-num-seqs-options", default="256", metavar="N[,N...]",
+                   help="max-num-seqs values to try per replica (default: vLLM's 256)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="fix the GPUs per replica (default: the fewest whose memory holds the model, and twice "
+                        "that; the cheaper within the SLOs)")
+    g.add_argument("--hosted-price-input", type=float, default=WORKERS_AI_PRICE[0],
+                   help="hosted price to compare, US$ per M input tokens (default: Workers AI's Qwen3.8-27B)")
+    g.add_argument("--hosted-price-output", type=float, default=WORKERS_AI_PRICE[1],
+                   help="hosted price to compare, US$ per M output tokens")
+    g.add_argument("--plot", default=None, metavar="PLAN.html",
+                   help="write the latency-load and cost-load charts (self-contained HTML with SVG)")
+    g.add_argument("--output-json", default=None, help="write the plan as JSON")
+    g.add_argument("--seed", type=int, default=0, help="the simulated workload's seed")
+
+
 def build_parser() -> CommandLineParser:
     parser = CommandLineParser(prog="tokenline", description="LLM inference server")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -791,13 +900,16 @@ def build_parser() -> CommandLineParser:
     add_vllm_args(p)
     p.set_defaults(func=cmd_router)
 
-    p = commands.add_parser("plan", help="memory plan: weights, KV per token, state per sequence, sequences that fit")
+    p = commands.add_parser("plan", help="memory plan (--memory): weights, KV per token, state per sequence, "
+                                         "sequences that fit; fleet plan (--accelerator): replicas, settings, "
+                                         "latency and cost per million tokens for a traffic forecast")
     p.add_argument("--model", default=None, help="model directory, .gguf file or a config.json (default: SmolLM2)")
-    p.add_argument("--memory", type=float, required=True, help="GiB of memory for weights + KV + states")
+    p.add_argument("--memory", type=float, default=None, help="memory plan: GiB of memory for weights + KV + states")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--hybrid-state-checkpoints", type=int, default=0, metavar="N",
                    help="hybrid models: state checkpoint slots to count (prefix caching)")
+    add_fleet_plan_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = commands.add_parser("make-test-model", help="write a tiny random-weight model in HF format (tests, demos)")
@@ -917,6 +1029,16 @@ def build_parser() -> CommandLineParser:
                         "(default: measured by the server run, else 0)")
     p.add_argument("--no-server-run", dest="server_run", action="store_false",
                    help="skip the short real-server run that fits the per-step and per-request server overheads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads to calibrate with (default: torch's, as serve starts with)")
+    p.add_argument("--max-neighbour-cpu", type=float, default=0.10, metavar="SHARE",
+                   help="share of the machine's CPU (0-1) other processes may take during a stretch of runs before "
+                        "it is run again or the calibration refused")
+    p.add_argument("--load-retries", type=int, default=2,
+                   help="times a stretch of runs taken under load is run again before it counts as loaded")
+    p.add_argument("--allow-load", action="store_true",
+                   help="keep a calibration taken under load (the profile records it, simulate warns) instead of "
+                        "refusing it")
     p.set_defaults(func=cmd_bench_calibrate)
 
     p = commands.add_parser("simulate", help="the real scheduler and KV cache on a simulated clock, from a "
@@ -936,9 +1058,15 @@ def build_parser() -> CommandLineParser:
                    help="what if: another model (an HF config.json, e.g. tokenline/sim/configs/qwen3.5-27b.json); "
                         "step times scaled from the profile by a roofline ratio")
     p.add_argument("--machine", default=None, metavar="NAME|PATH",
-                   help="what if: another machine: this (the calibrated one), h200, h100, a100-80gb, l4, or a JSON "
-                        "file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
+                   help="what if: another machine: this (the calibrated one), a GPU of the table (h100, h200, "
+                        "a100-40gb, a100-80gb, l40s, rtx4090, l4: priced by the accelerator step model, not from "
+                        "the calibration), or a JSON file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
     p.add_argument("--request-overhead-ms", type=float, default=None, help="override the profile's")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the simulated server's dtype (serve's --dtype), checked against the profile's")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the simulated server's torch threads (default: torch's, as serve), checked against the "
+                        "profile's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     p.add_argument("--replicas", type=int, default=1,

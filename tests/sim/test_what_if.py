@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tokenline.cli import main
+from tokenline.sim.accelerator import AcceleratorStepModel
 from tokenline.sim.placeholder_runner import SimClock
 from tokenline.sim.profile import Profile
 from tokenline.sim.roofline_scaling import model_cost
@@ -65,7 +66,9 @@ def test_the_h200_profile_gives_shorter_steps_and_a_pool_from_its_memory(profile
     assert big.weight_bytes == cost.weight_bytes == 2 * 26_895_998_464  # bf16 on the h200
     budget = int(141e9 * 0.9) - cost.weight_bytes - 64 * cost.state_bytes_per_sequence
     assert big.num_kv_blocks == budget // (65_536 * 16)
-    assert big.step_overhead_s == pytest.approx(0.002)  # the machine file's stated host overhead
+    # A GPU of the table has its own step model, its fixed costs inside it, and its own request overhead.
+    assert isinstance(big.step_model, AcceleratorStepModel) and big.step_overhead_s == 0.0
+    assert big.request_overhead_s == pytest.approx(0.005)
     big_run = run(profile, model_config=BIG, machine="h200")
     assert big_run["completed"] == 8 and big_run["p50_tpot_ms"] > h200["p50_tpot_ms"]
 

@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tokenline.engine.messages import EngineRequest
 from tokenline.model.batch import SampledToken, ScheduledBatch
 from tokenline.model.config import ModelConfig
 from tokenline.sampling_params import SamplingParams
+from tokenline.sim.calibration_load import LoadPolicy, LoadWatch
 from tokenline.sim.profile import Profile
 from tokenline.sim.server_fit import run_server_loads
 from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_model
@@ -107,14 +109,20 @@ def calibrate(
     request_overhead_s: float | None = None,
     threads: int | None = None,
     server_run: bool = False,
+    load_policy: LoadPolicy | None = None,
 ) -> Profile:
     """Fit a step-time profile of ``model_dir`` on this machine (with ``threads`` torch threads,
     as the server would be started with; None: torch's default). ``server_run``: also fit what a
     real server adds per step and per request (``server_fit``); ``request_overhead_s`` (when not
-    None) overrides the measured per-request figure (0 without a server run)."""
+    None) overrides the measured per-request figure (0 without a server run). ``load_policy``: how
+    much CPU neighbours may take before a stretch of runs is repeated or the calibration refused
+    (``CalibrationUnderLoad``); the load seen goes into the profile."""
     import torch
 
     design = design or CalibrationDesign()
+    # First, before minutes of loading and warming up: a busy machine is refused in seconds.
+    watch = LoadWatch(load_policy or LoadPolicy())
+    watch.wait_for_quiet()
     if threads is not None:
         torch.set_num_threads(threads)
     model_config = ModelConfig.from_dir(model_dir)
@@ -140,7 +148,7 @@ def calibrate(
     _run(core, prompts(1, 16), 4)  # warm-up: first-call costs are not step time
     core.take_step_records()
     recorder.features.clear()
-    deadline = time.monotonic() + design.max_seconds
+    deadline = [time.monotonic() + design.max_seconds]  # moved on by the time of discarded stretches
     # (batch, prompt length, tokens, cached prefix): pure prefills, follow-ups, then decode batches.
     # Each repeat in its own shuffled order, so a load that rises or falls on a shared machine biases
     # no one coefficient.
@@ -148,16 +156,33 @@ def calibrate(
         (1, new, 1, cached) for cached, new in design.followups] + [
         (batch, context, design.decode_steps, 0) for context in design.context_lens
         for batch in design.decode_batches if batch * context <= design.max_batch_tokens]
-    for _ in range(design.repeats):
-        for batch, length, tokens, cached in rng.sample(runs, len(runs)):
+
+    def item(batch: int, length: int, tokens: int, cached: int) -> Callable[[], None]:
+        def run() -> None:
             if cached:
-                if time.monotonic() < deadline:  # the prefix's own prefill, then the follow-up over it
+                if time.monotonic() < deadline[0]:  # the prefix's own prefill, then the follow-up over it
                     prefix = prompts(1, cached)
                     _run(core, prefix, 1)
                     _run(core, [prefix[0] + prompts(1, length)[0]], 1)
-            elif tokens == 1 or time.monotonic() < deadline:
+            elif tokens == 1 or time.monotonic() < deadline[0]:
                 _run(core, prompts(batch, length), tokens)
-    records = core.take_step_records()
+        return run
+
+    records: list = []
+
+    def begin() -> tuple[int, int, float]:
+        records.extend(core.take_step_records())
+        return len(recorder.features), len(records), time.monotonic()
+
+    def discard(mark: tuple[int, int, float]) -> None:  # a loaded stretch's steps, before it runs again
+        core.take_step_records()
+        del recorder.features[mark[0]:]
+        del records[mark[1]:]
+        deadline[0] += time.monotonic() - mark[2]  # a repeat does not eat the design's later runs
+
+    items = [item(*run) for _ in range(design.repeats) for run in rng.sample(runs, len(runs))]
+    watch.run_stretches(items, begin, discard)
+    records.extend(core.take_step_records())
     if len(records) != len(recorder.features):
         raise RuntimeError(f"{len(records)} step records for {len(recorder.features)} batches")
     features, durations = list(recorder.features), [r.duration for r in records]
@@ -172,7 +197,7 @@ def calibrate(
     fit = None
     if server_run:
         del core, runner, recorder  # the server loads its own copy of the model
-        server = run_server_loads(model_dir, dtype_name, torch.get_num_threads())
+        server = run_server_loads(model_dir, dtype_name, torch.get_num_threads(), judge_load=watch.judge_server)
         # One model over both: the offline design pins prefill and small batches, the server's busy
         # steps the decode batches and contexts a server runs (an offline-only fit put batch-8 steps
         # 15 % high against a real server's, its context cost taken from contexts of 32-256).
@@ -197,4 +222,6 @@ def calibrate(
         step_scale=fit.step_scale if fit else 1.0,
         server_steps=fit.num_steps if fit else 0,
         model_config=json.loads((model_dir / "config.json").read_text()),
+        load=watch.load.to_dict(),
+        max_num_batched_tokens=design.step_tokens,
     )

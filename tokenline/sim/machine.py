@@ -2,7 +2,9 @@
 
 ``this`` is the machine the profile was calibrated on (bandwidth and matmul peak measured by
 ``bench calibrate``); the others are published figures, shipped as JSON under ``machines/``, or
-any JSON file with the same fields.
+any JSON file with the same fields. A machine with achieved fractions (``bandwidth_efficiency``
+and the others) is an accelerator priced by its own step model (``accelerator.py``; the figures
+and their sources in docs/planner.md), with the price per hour a fleet plan uses.
 """
 
 from __future__ import annotations
@@ -30,6 +32,22 @@ class Machine:
     description: str = ""
     # Host time per step beyond the model (the server's own work). None: the profile's, measured here.
     step_overhead_ms: float | None = None
+    # An accelerator's own step model (accelerator.py): achieved fractions of the peaks and fixed
+    # costs. None: the machine is priced by scaling the calibrated one (roofline_scaling.py).
+    bandwidth_efficiency: float | None = None
+    matmul_efficiency: float | None = None
+    attention_efficiency: float | None = None
+    layer_overhead_us: float = 0.0  # per layer per step: kernels too small to reach the roofline
+    request_overhead_ms: float | None = None  # per request outside the engine (HTTP, tokenize)
+    fp8_tflops: float | None = None
+    interconnect_gbps: float | None = None  # per direction, between the GPUs of a tensor-parallel group
+    price_per_hour: float | None = None  # US$ per GPU-hour (an assumption: see price_note)
+    price_note: str = ""
+
+    @property
+    def is_accelerator(self) -> bool:
+        """Priced by its own step model (accelerator.py), not by scaling the calibrated machine."""
+        return self.bandwidth_efficiency is not None
 
     @property
     def dtype_size(self) -> int:
@@ -81,7 +99,16 @@ def load_machine(spec: str) -> Machine:
             memory_gb=None if raw.get("memory_gb") is None else float(raw["memory_gb"]),
             dtype=str(raw.get("dtype", "bfloat16")),
             description=str(raw.get("description", "")),
-            step_overhead_ms=None if raw.get("step_overhead_ms") is None else float(raw["step_overhead_ms"]),
+            step_overhead_ms=_number(raw, "step_overhead_ms"),
+            bandwidth_efficiency=_number(raw, "bandwidth_efficiency"),
+            matmul_efficiency=_number(raw, "matmul_efficiency"),
+            attention_efficiency=_number(raw, "attention_efficiency"),
+            layer_overhead_us=_number(raw, "layer_overhead_us") or 0.0,
+            request_overhead_ms=_number(raw, "request_overhead_ms"),
+            fp8_tflops=_number(raw, "fp8_tflops"),
+            interconnect_gbps=_number(raw, "interconnect_gbps"),
+            price_per_hour=_number(raw, "price_per_hour"),
+            price_note=str(raw.get("price_note", "")),
         )
     except KeyError as exc:
         raise MachineError(f"--machine {path}: lacks the field {exc.args[0]!r}") from None
@@ -93,4 +120,12 @@ def load_machine(spec: str) -> Machine:
         raise MachineError(f"--machine {path}: bandwidth, matmul peak and memory must be > 0")
     if (machine.step_overhead_ms or 0) < 0:
         raise MachineError(f"--machine {path}: step_overhead_ms must be >= 0")
+    fractions = (machine.bandwidth_efficiency, machine.matmul_efficiency, machine.attention_efficiency)
+    if machine.is_accelerator and not all(f is not None and 0 < f <= 1 for f in fractions):
+        raise MachineError(f"--machine {path}: bandwidth_efficiency, matmul_efficiency and attention_efficiency "
+                           "must all be given, each in (0, 1]")
     return machine
+
+
+def _number(raw: dict[str, Any], key: str) -> float | None:
+    return None if raw.get(key) is None else float(raw[key])

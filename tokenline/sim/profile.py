@@ -34,6 +34,9 @@ class Profile:
     step_scale: float = 1.0  # how much slower the engine's steps run inside a server on this machine
     server_steps: int = 0  # server steps that fit and step_overhead_s used (0: no server run)
     model_config: dict[str, Any] | None = None  # the calibrated model's config.json: what-ifs scale from it
+    # The neighbours' CPU the calibration saw (calibration_load.CalibrationLoad.to_dict); None: not measured.
+    load: dict[str, Any] | None = None
+    max_num_batched_tokens: int | None = None  # the largest step the design ran (its step budget)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}

@@ -52,6 +52,7 @@ from tokenline.sim.simulate import (
     SimConfig,
     build_sim_core,
     report,
+    request_overhead,
     sim_target,
 )
 
@@ -400,7 +401,7 @@ def simulate_replicas(profile: Profile, config: SimConfig, fleet: FleetConfig,
     filler = conversations.filler_token_id(config.output_len) if isinstance(conversations, ChatConversations) else None
     cores = {name: build_sim_core(target, config, clock, kv_events=True, filler_token_id=filler)
              for name, clock in clocks.items()}
-    overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
+    overhead = request_overhead(profile, config, target)
     run = run_fleet_closed_loop(cores, clocks, policy, conversations, config.output_len, config.concurrency,
                                 overhead, config.block_size)
     result = report(run.run, config, target.model, f"simulated: {fleet.replicas} x {policy.name}")

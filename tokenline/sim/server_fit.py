@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tokenline.bench.neighbour_cpu import CpuSnapshot, snapshot
 from tokenline.bench.serve import BenchServeConfig, BenchServeReport, ServerNotReady, run_bench_serve, wait_healthy
 from tokenline.sim.step_model import StepFeatures, StepModel, relative_weight, robust_lstsq
 
@@ -148,10 +149,12 @@ def _run_load(url: str, config: BenchServeConfig) -> tuple[BenchServeReport, lis
 
 
 def run_server_loads(model_dir: Path, dtype: str, threads: int | None, startup_timeout_s: float = 180.0,
-                     wide: bool = True) -> ServerRun:
+                     wide: bool = True,
+                     judge_load: Callable[[CpuSnapshot, CpuSnapshot], None] | None = None) -> ServerRun:
     """Start ``tokenline serve`` on a free local port, load it at c=1 and c=6 (prompts of 96 tokens,
     12 output tokens) and, with ``wide``, c=16 (32 prompts of 256 tokens, 24 output tokens): workloads
-    of their own, not the ones a simulation is checked on. Stops it."""
+    of their own, not the ones a simulation is checked on. Stops it. ``judge_load`` gets CPU readings
+    (the server's tree as the server) from before and after the loads."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as log:
@@ -171,6 +174,7 @@ def run_server_loads(model_dir: Path, dtype: str, threads: int | None, startup_t
             base = BenchServeConfig(base_url=url, input_len=96, output_len=12, tokenizer_dir=str(model_dir))
             asyncio.run(run_bench_serve(BenchServeConfig(**{**base.__dict__, "num_prompts": 2, "output_len": 2,
                                                             "seed": 7})))  # warm-up
+            before = snapshot(server.pid)
             lone, lone_records = _run_load(url, BenchServeConfig(**{**base.__dict__, "num_prompts": 4, "seed": 8}))
             records = list(lone_records)
             _, busy_records = _run_load(url, BenchServeConfig(**{**base.__dict__, "concurrency": 6,
@@ -181,6 +185,8 @@ def run_server_loads(model_dir: Path, dtype: str, threads: int | None, startup_t
                     **base.__dict__, "concurrency": 16, "num_prompts": 32, "input_len": 256, "output_len": 24,
                     "seed": 10}))
                 steps += busy_steps(wide_records)
+            if judge_load is not None:
+                judge_load(before, snapshot(server.pid))
         finally:
             server.terminate()
             try:

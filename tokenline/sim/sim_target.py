@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline.model.config import ModelConfig
+from tokenline.sim.accelerator import AcceleratorStepModel, accelerator_cost
 from tokenline.sim.machine import DTYPE_SIZES, Machine, MachineError, load_machine, this_machine
 from tokenline.sim.profile import Profile
 from tokenline.sim.roofline_scaling import ModelCost, ScaledStepModel, StepTimeModel, model_cost
@@ -47,6 +48,7 @@ class SimTarget:
     num_state_slots: int
     machine: str
     weight_bytes: int | None = None  # known when a what-if counted the model
+    request_overhead_s: float | None = None  # the machine's own (an accelerator's), else None: the profile's
 
     def describe(self) -> str:
         weights = "" if self.weight_bytes is None else f", weights {self.weight_bytes / 1e9:.1f} GB"
@@ -102,9 +104,18 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     # Another machine's engine has its accelerator to itself: the calibrated engine's own step times
     # scale there; this machine's server slowdown (step_scale) applies only here.
     base = served if target_machine is source_machine else profile.step_model
-    step_model = ScaledStepModel(base, source, source_machine, target, target_machine)
-    if target_machine.step_overhead_ms is not None:
-        overhead = target_machine.step_overhead_ms / 1000
+    request_overhead = None
+    if target_machine.is_accelerator:
+        # A GPU from the table has its own step model: nothing of this machine's calibration moves it.
+        step_model: StepTimeModel = AcceleratorStepModel(accelerator_cost(target_config, target_machine.dtype_size),
+                                                         target_machine)
+        overhead = 0.0  # its fixed costs are inside the model
+        if target_machine.request_overhead_ms is not None:
+            request_overhead = target_machine.request_overhead_ms / 1000
+    else:
+        step_model = ScaledStepModel(base, source, source_machine, target, target_machine)
+        if target_machine.step_overhead_ms is not None:
+            overhead = target_machine.step_overhead_ms / 1000
 
     slots = max_num_seqs if target_config.is_hybrid else 0
     blocks = what_if.num_kv_blocks or _num_blocks(
@@ -116,7 +127,8 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
                            f"memory{states}; raise --kv-cache-memory or lower --max-num-seqs")
     name = profile.model if not what_if.model_config else _config_name(Path(what_if.model_config).expanduser())
     return SimTarget(step_model, overhead, name, target_config.vocab_size, target_config.max_position_embeddings,
-                     target.kv_bytes_per_token, blocks, slots, target_machine.name, target.weight_bytes)
+                     target.kv_bytes_per_token, blocks, slots, target_machine.name, target.weight_bytes,
+                     request_overhead)
 
 
 def scaled_step_model(model: StepModel, scale: float) -> StepModel:

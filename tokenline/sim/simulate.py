@@ -181,12 +181,19 @@ def workload_prompts(config: SimConfig, vocab_size: int) -> list[list[int]]:
     return make_prompts(config.num_prompts, config.input_len, range(vocab_size), config.seed)
 
 
+def request_overhead(profile: Profile, config: SimConfig, target: SimTarget) -> float:
+    """The flag's, else the target machine's own (an accelerator's), else the profile's."""
+    if config.request_overhead_s is not None:
+        return config.request_overhead_s
+    return profile.request_overhead_s if target.request_overhead_s is None else target.request_overhead_s
+
+
 def simulate(profile: Profile, config: SimConfig, target: SimTarget | None = None) -> BenchServeReport:
     """Run the workload on simulated time and report it as ``bench serve`` would."""
     target = target or sim_target(profile, config)
     clock = SimClock()
     core = build_sim_core(target, config, clock)
-    overhead = profile.request_overhead_s if config.request_overhead_s is None else config.request_overhead_s
+    overhead = request_overhead(profile, config, target)
     prompts = workload_prompts(config, target.vocab_size)
     run = run_closed_loop(core, prompts, config.output_len, config.concurrency, overhead, clock.wait_until)
     return report(run, config, target.model, "simulated")
