@@ -807,7 +807,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_fleet_plan_args(p: argparse.ArgumentParser) -> None:
-    """``plan --accelerator``'s forecast, SLO and price flags (docs/planner.md)."""
+    """``plan --accelerator``'s forecast, SLO and price flags (docs/operate/planner.md)."""
     from tokenline.sim.fleet_plan import WORKERS_AI_PRICE
 
     g = p.add_argument_group("fleet plan")

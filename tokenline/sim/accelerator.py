@@ -11,7 +11,7 @@ query-key pairs Q; N = P + D tokens, S = sequences sampled) of a model split ove
     step      = step overhead + layers · layer overhead + linears + lm head + attention + comm
 
 bw, peak and link are the datasheet's (``machines/*.json``); η are achieved fractions and the
-overheads fixed costs, one set for every GPU, taken from published measurements (docs/planner.md):
+overheads fixed costs, one set for every GPU, taken from published measurements (docs/operate/planner.md):
 nothing here reads this machine's calibration, so a GPU prediction does not move when this CPU is
 calibrated again. The LM head runs on the sampled rows only (vLLM computes logits for the last
 token of a prefill), which matters for large vocabularies (Gemma 3: 262k).

@@ -408,7 +408,7 @@ def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast:
     if peak.prefix_hit_rate > 0:
         notes.append(f"{peak.prefix_hit_rate:.0%} of prompt tokens came from the prefix cache at the peak "
                      "(the hosted price bills them all)")
-    notes.append("step times from the accelerator step model (docs/planner.md): bf16 weights and KV, vLLM-class "
+    notes.append("step times from the accelerator step model (docs/operate/planner.md): bf16 weights and KV, vLLM-class "
                  "GPU kernels; prices per GPU-hour are assumptions unless --price-per-hour is given")
     return FleetPlan(
         model=model_name, accelerator=machine.name, price_per_hour=price, forecast=forecast, slo=slo,

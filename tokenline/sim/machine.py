@@ -4,7 +4,7 @@
 ``bench calibrate``); the others are published figures, shipped as JSON under ``machines/``, or
 any JSON file with the same fields. A machine with achieved fractions (``bandwidth_efficiency``
 and the others) is an accelerator priced by its own step model (``accelerator.py``; the figures
-and their sources in docs/planner.md), with the price per hour a fleet plan uses.
+and their sources in docs/operate/planner.md), with the price per hour a fleet plan uses.
 """
 
 from __future__ import annotations
