@@ -99,7 +99,8 @@ class EngineCore:
             )
         max_tokens = room if requested is None else requested
         pool_tokens = self.kv_cache.pool.num_blocks * self.kv_cache.block_size
-        if num_prompt + max_tokens > pool_tokens:
+        # Sliding-window groups hold a window's blocks, not the whole sequence's (kv_cache_manager.py).
+        if self.kv_cache.blocks_for_sequence(num_prompt + max_tokens) > self.kv_cache.pool.num_blocks:
             raise RequestRejected(
                 "max_tokens",
                 f"prompt + max_tokens ({num_prompt + max_tokens} tokens) exceeds the whole KV cache "
