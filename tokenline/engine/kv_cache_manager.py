@@ -75,7 +75,7 @@ class KVCacheManager:
         sequence (the scheduler's budget), bounding what admission counts for a sliding group."""
         if not group_windows:
             raise ValueError("the KV cache needs at least one group")
-        if len(group_windows) > 1 and num_state_slots:
+        if (len(group_windows) > 1 or group_windows[0] is not None) and num_state_slots:
             raise ValueError("sliding-window groups beside recurrent state slots are not supported")
         self.group_windows = list(group_windows)
         self.max_chunk_tokens = max_chunk_tokens
@@ -122,6 +122,11 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.group_windows)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether tables go per group (several groups, or sliding windows): else one plain table."""
+        return len(self.group_windows) > 1 or self.group_windows[0] is not None
+
     def block_tables(self, request_id: str) -> list[list[int]]:
         """Every group's table for the request (``NULL_BLOCK`` where a window let a block go)."""
         return self.group_tables.get(request_id, [])
@@ -149,7 +154,7 @@ class KVCacheManager:
         if request.sampling.prompt_logprobs is not None:
             return []  # it scores every prompt position, so it computes them all (as vLLM)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if self.num_groups > 1:
+        if self.grouped:
             return self._find_cached_prefix_groups(request, max_blocks)
         blocks = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -210,7 +215,7 @@ class KVCacheManager:
         total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         if not self.can_fit(request, total, cached_blocks):
             return False
-        if self.num_groups > 1:
+        if self.grouped:
             self._allocate_groups(request, total, cached_blocks)
             return True
         table = self.tables.setdefault(request.request_id, [])
@@ -364,7 +369,7 @@ class KVCacheManager:
             self.checkpoints.check_integrity()
 
     def _blocks_missing(self, request: Request, num_tokens: int, cached_blocks: CachedBlocks) -> int:
-        if self.num_groups > 1:
+        if self.grouped:
             return self._blocks_missing_groups(request, num_tokens, cached_blocks)
         have = len(self.tables.get(request.request_id, ())) + len(cached_blocks)
         new = max(0, self.blocks_for(num_tokens) - have)
