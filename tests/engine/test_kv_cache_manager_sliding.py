@@ -212,3 +212,29 @@ def test_one_group_keeps_the_plain_list() -> None:
     hit = kv.find_cached_prefix(request("b", list(range(1, 10))))
     assert isinstance(hit, list) and len(hit) == 2
     assert kv.block_tables("b") == []
+
+
+def test_a_4096_token_sequence_holds_the_issue_target_gemma3_270m() -> None:
+    """Gemma 3 270M's layout (6 groups of 3 layers: 1 global, 5 with a 512 window), block 16: a
+    4,096-token sequence prefilled in 512-token chunks then decoded holds at most
+    (1/6 + 5/6 x 512/4096) x the all-global figure + one block per layer; the pool's usage, what
+    /metrics reports as vllm:kv_cache_usage_perc, counts the blocks of both kinds."""
+    block, window = 16, 512
+    kv = KVCacheManager(2000, block, True, group_windows=[None] + [window] * 5, max_chunk_tokens=512)
+    req = request("a", [1 + i % 1000 for i in range(3584)], max_tokens=600)
+    for _ in range(7):
+        assert kv.allocate_slots(req, 512)
+        req.num_computed_tokens += 512
+        kv.cache_full_blocks(req)
+    while req.num_tokens < 4096:
+        req.token_ids.append(3)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        kv.cache_full_blocks(req)
+    kv.check_integrity()
+    all_global = 6 * 4096 // block  # pool blocks (3 layers x 16 tokens each) with every layer global
+    held = kv.num_blocks_held("a")
+    assert held <= (1 / 6 + 5 / 6 * window / 4096) * all_global + 18 / 3  # + one block per layer
+    # The last query (position 4095) sees 3584.., blocks 224..255: 32 per sliding group.
+    assert held == 256 + 5 * 32
+    assert kv.usage() == kv.pool.num_used_blocks / 2000 == held / 2000
