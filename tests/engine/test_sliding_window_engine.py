@@ -109,7 +109,8 @@ def test_alone_matches_transformers(runner: ModelRunner, prompts: list[list[int]
     assert generate(engine, prompts) == reference
 
 
-def test_batched_matches_transformers(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]) -> None:
+def test_batched_matches_transformers(runner: ModelRunner, prompts: list[list[int]],
+                                      reference: list[list[int]]) -> None:
     engine = make_engine(runner, 512, budget=11)  # chunks smaller than the window beside decodes
     assert generate(engine, prompts) == reference
 
@@ -136,7 +137,8 @@ def test_decode_returns_sliding_blocks_to_the_pool(runner: ModelRunner, prompts:
     assert kv.pool.num_free_blocks == 512
 
 
-def test_preemption_matches_transformers(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]) -> None:
+def test_preemption_matches_transformers(runner: ModelRunner, prompts: list[list[int]],
+                                         reference: list[list[int]]) -> None:
     engine = make_engine(runner, 48, budget=16)
     assert generate(engine, prompts) == reference
     assert engine.scheduler.num_preemptions > 0
@@ -154,3 +156,11 @@ def test_prefix_hits_match_transformers(runner: ModelRunner, model_dir: Path, pr
     branch = long[:48] + [7, 8, 9, 10, 11]
     assert generate(engine, [branch]) == hf_greedy(model_dir, [branch])
     assert engine.kv_cache.prefix_stats.hits == 68 + 48
+
+
+def test_one_table_for_every_group_is_refused(runner: ModelRunner, prompts: list[list[int]]) -> None:
+    """Layers of different groups share KV tensors: a manager without the groups would mix their KV."""
+    runner.allocate_kv_cache(64, BLOCK)
+    engine = EngineCore(runner, KVCacheManager(64, BLOCK, True), SchedulerConfig(max_model_len=1024))
+    with pytest.raises(RuntimeError, match="a table per KV cache group"):
+        generate(engine, prompts[:1])

@@ -208,7 +208,11 @@ class ModelRunner:
             meta.decode_context_lens = lens
             meta.max_decode_context_len = max(decode_lens)
             meta.decode_state_slots = torch.tensor(decode_slots, dtype=torch.long, device=device)
-        if seqs and seqs[0].group_block_tables:
+        if self.kv_group_windows != [None] and seqs:
+            # Layers of different groups share KV tensors: one table for all would mix their KV.
+            if len(seqs[0].group_block_tables) != len(self.kv_group_windows):
+                raise RuntimeError("this model's sliding-window layers need a table per KV cache group: build its "
+                                   "KVCacheManager with group_windows=runner.kv_group_windows")
             meta.groups = [self._group_meta(seqs, g, window) for g, window in enumerate(self.kv_group_windows)]
         if per_token and not prefills:
             meta.token_block_tables, meta.token_context_lens = meta.decode_block_tables, meta.decode_context_lens
@@ -245,7 +249,8 @@ class ModelRunner:
                 tables.append(table)
                 lens.append(context_len)
             else:
-                prefills.append(PrefillSpan(start, n, context_len, torch.tensor(table, dtype=torch.long, device=device)))
+                block_table = torch.tensor(table, dtype=torch.long, device=device)
+                prefills.append(PrefillSpan(start, n, context_len, block_table))
             start += n
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), len(tables), prefills=prefills,
                                  window=window)
