@@ -252,8 +252,8 @@ class KVCacheManager:
         for g, table in enumerate(tables):
             first = self._first_visible(g, start)
             # Out of the window for every query from here on: back to the pool (tail first, as free() does).
-            gone = [i for i in range(min(first, len(table))) if table[i] != NULL_BLOCK]
-            self.pool.free(table[i] for i in reversed(gone))
+            gone = _leaving(table, first)
+            self.pool.free(table[i] for i in gone)
             for i in gone:
                 table[i] = NULL_BLOCK
             table.extend([NULL_BLOCK] * max(0, first - len(table)))
@@ -358,7 +358,9 @@ class KVCacheManager:
         for tables in self.group_tables.values():
             for g, table in enumerate(tables):
                 window = self.group_windows[g]
-                if (window is None and NULL_BLOCK in table) or len(table) != len(tables[0]):
+                nulls = table.count(NULL_BLOCK)
+                # Freed entries form a prefix (the window only moves on): what the counts rely on.
+                if (window is None and nulls) or NULL_BLOCK in table[nulls:] or len(table) != len(tables[0]):
                     raise AssertionError(f"group {g}'s table has a hole or another length: {table}")
         held = list(self.state_slots.values())
         if len(set(held)) != len(held) or sorted(held + self._free_slots) != list(range(self.num_state_slots)):
@@ -385,9 +387,9 @@ class KVCacheManager:
         needed = self.blocks_for(num_tokens)
         missing = 0
         for g, window in enumerate(self.group_windows):
-            table = tables[g] + hit[g]
             first = self._first_visible(g, start)
-            held = sum(1 for b in table[first:needed] if b != NULL_BLOCK)
+            # A table's NULL_BLOCK entries are a prefix no longer than ``first``: the rest are held.
+            held = max(0, min(len(tables[g]) + len(hit[g]), needed) - first)
             want = needed - first
             if window is not None and self.max_chunk_tokens:
                 # A prompt longer than a chunk never holds more than the chunk's window at once.
@@ -395,7 +397,7 @@ class KVCacheManager:
             missing += max(0, want - held)
             missing += sum(1 for b in hit[g] if b != NULL_BLOCK and self.pool.is_free(b))
             # Ours alone and out of the window: freed before anything is allocated.
-            missing -= sum(1 for b in tables[g][:first] if b != NULL_BLOCK and self.pool.ref_counts[b] == 1)
+            missing -= sum(1 for i in _leaving(tables[g], first) if self.pool.ref_counts[tables[g][i]] == 1)
         return missing
 
     def _hash_full_blocks(self, request: Request) -> None:
@@ -406,3 +408,14 @@ class KVCacheManager:
             # models, the state checkpoints keyed by these hashes) are found by that tenant only.
             parent = hashes[-1] if hashes else salt_root(request.cache_salt)
             hashes.append(hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
+
+
+def _leaving(table: list[int], first: int) -> list[int]:
+    """Indices below ``first`` that still hold a block, last first. A sliding group's freed
+    entries are a prefix of its table, so this walks back only over the blocks leaving now."""
+    gone = []
+    i = min(first, len(table)) - 1
+    while i >= 0 and table[i] != NULL_BLOCK:
+        gone.append(i)
+        i -= 1
+    return gone
