@@ -369,7 +369,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         config = ModelConfig.from_dir(resolve_model(args.model))
     dtype_size = 4 if args.dtype == "float32" else 2
-    print(plan_memory(config, args.memory, args.seq_len, dtype_size, args.hybrid_state_checkpoints).format())
+    print(plan_memory(config, args.memory, args.seq_len, dtype_size, args.hybrid_state_checkpoints,
+                      args.block_size).format())
     return 0
 
 
@@ -909,6 +910,8 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--hybrid-state-checkpoints", type=int, default=0, metavar="N",
                    help="hybrid models: state checkpoint slots to count (prefix caching)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV cache block (a sliding-window layer holds its window's blocks)")
     add_fleet_plan_args(p)
     p.set_defaults(func=cmd_plan)
 

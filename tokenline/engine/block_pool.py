@@ -37,6 +37,15 @@ from collections.abc import Iterable, Sequence
 
 from tokenline.engine.kv_events import KVCacheEvent, KVEventRecorder
 
+# A cache index key: a block hash (KV cache group 0), or (group, hash) for another group's copy of
+# the same prefix block (models with sliding-window layers: kv_cache_manager.py). Events name group
+# 0's blocks only, so their wire format is the same whatever groups a model has.
+CacheKey = bytes | tuple[int, bytes]
+
+
+def cache_key(block_hash: bytes, group: int = 0) -> CacheKey:
+    return block_hash if group == 0 else (group, block_hash)
+
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Key of a full block: chained on its parent's key, so equal keys mean equal whole prefixes."""
@@ -71,13 +80,13 @@ class BlockPool:
         # Fresh blocks come before evicting cached prefixes while fewer than this many are touched.
         self.cache_resident_blocks = num_blocks if cache_resident_blocks is None else min(cache_resident_blocks, num_blocks)
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_hash: list[CacheKey | None] = [None] * num_blocks
         # The three kinds of free block (see the module docstring). Dicts give O(1) removal of a
         # block a new request revives; _spare pops its newest, _lru its oldest.
         self._spare: dict[int, None] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._num_touched = 0  # blocks [0, _num_touched) were handed out at least once
-        self._cached: dict[bytes, int] = {}
+        self._cached: dict[CacheKey, int] = {}
         # Off unless someone drains them: an undrained recorder would grow for ever.
         self._events = KVEventRecorder() if enable_kv_cache_events else None
 
@@ -101,8 +110,8 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def lookup(self, block_hash: bytes) -> int | None:
-        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+    def lookup(self, block_hash: bytes, group: int = 0) -> int | None:
+        return self._cached.get(cache_key(block_hash, group)) if self.enable_prefix_caching else None
 
     def is_free(self, block_id: int) -> bool:
         return self.ref_counts[block_id] == 0
@@ -154,7 +163,7 @@ class BlockPool:
 
     def cached_hashes(self) -> set[bytes]:
         """The hashes findable right now (what a consumer of the events must arrive at)."""
-        return set(self._cached)
+        return {key for key in self._cached if isinstance(key, bytes)}
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events recorded since the last call (none when events are off)."""
@@ -162,22 +171,24 @@ class BlockPool:
 
     def cache(
         self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
-        salt: str | None = None,
+        salt: str | None = None, group: int = 0,
     ) -> None:
-        """Make a block that now holds a full, computed prefix block findable by its hash.
+        """Make a block that now holds a full, computed prefix block findable by its hash (in KV
+        cache group ``group``).
 
         ``parent_hash``, ``token_ids`` (the block's tokens) and ``salt`` (a sequence's first block's
         cache salt) only feed the ``BlockStored`` event.
         """
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
             return
+        key = cache_key(block_hash, group)
         # If an identical block is already indexed (two requests computed the same prefix at
         # once), keep the first; this block simply stays uncached.
-        if block_hash in self._cached:
+        if key in self._cached:
             return
-        self.block_hash[block_id] = block_hash
-        self._cached[block_hash] = block_id
-        if self._events is not None:
+        self.block_hash[block_id] = key
+        self._cached[key] = block_id
+        if self._events is not None and group == 0:
             self._events.stored(block_hash, parent_hash, token_ids, salt)
 
     def reset_prefix_cache(self) -> None:
@@ -196,7 +207,7 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self.block_hash[block_id] = None
-            if self._events is not None:
+            if self._events is not None and isinstance(block_hash, bytes):
                 self._events.removed(block_hash)
 
     def check_integrity(self, tables: Iterable[Sequence[int]]) -> None:

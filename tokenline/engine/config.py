@@ -257,6 +257,8 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
         num_checkpoints=num_checkpoints,
         checkpoint_interval=config.hybrid_state_checkpoint_interval or 4 * config.block_size,
         cache_resident_blocks=config.cache_resident_blocks(num_blocks, runner.kv_bytes_per_block(config.block_size)),
+        group_windows=runner.kv_group_windows,
+        max_chunk_tokens=config.max_num_batched_tokens,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

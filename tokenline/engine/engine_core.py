@@ -99,11 +99,15 @@ class EngineCore:
             )
         max_tokens = room if requested is None else requested
         pool_tokens = self.kv_cache.pool.num_blocks * self.kv_cache.block_size
-        if num_prompt + max_tokens > pool_tokens:
+        # Sliding-window groups hold a window's blocks, not the whole sequence's (kv_cache_manager.py).
+        needed = self.kv_cache.blocks_for_sequence(num_prompt + max_tokens)
+        if needed > self.kv_cache.pool.num_blocks:
+            size = (f"{needed} blocks of its KV cache groups, the pool has {self.kv_cache.pool.num_blocks}"
+                    if self.kv_cache.grouped else f"{pool_tokens} tokens")
             raise RequestRejected(
                 "max_tokens",
                 f"prompt + max_tokens ({num_prompt + max_tokens} tokens) exceeds the whole KV cache "
-                f"({pool_tokens} tokens); raise --kv-cache-memory or lower max_tokens",
+                f"({size}); raise --kv-cache-memory or lower max_tokens",
             )
         spec = engine_request.sampling.structured_outputs
         if spec is not None and self.grammar_compiler is None:

@@ -361,6 +361,7 @@ class Scheduler:
             token_ids=request.token_ids[start:end] + drafts,
             start_pos=start,
             block_table=self.kv_cache.block_table(request.request_id),
+            group_block_tables=self.kv_cache.block_tables(request.request_id) if self.kv_cache.grouped else (),
             sample=sample,
             sampling=params,
             prompt_token_ids=request.prompt_token_ids,

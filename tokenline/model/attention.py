@@ -60,6 +60,11 @@ class AttentionMetadata:
     # Filled by the forward: one ``gated_deltanet.PendingStates`` per linear layer with ``drafts``
     # spans; the runner commits them once acceptance is known.
     pending_states: list[Any] = field(default_factory=list)
+    # Sliding-window layers: a query at position p sees positions > p - window only (None: all).
+    window: int | None = None
+    # Models with several KV cache groups (model/kv_groups.py): each group's own metadata (its
+    # block tables, slots and window); a layer attends with its group's. Empty: one group, this one.
+    groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 def allocate_kv_cache(
@@ -94,6 +99,10 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+    # The C kernels here take no window yet: a windowed layer attends on the torch path (whose
+    # masks below zero every K/V row the window hides: a freed block's slot may hold garbage).
+    if kernels is not None and meta.window is not None:
+        kernels = None
     if num_decode and kernels is not None and meta.decode_context_lens is not None:
         # Reads each sequence's blocks in place: no padded copy of the history per layer.
         query = q[:num_decode]
@@ -106,6 +115,9 @@ def paged_attention(
     elif num_decode:
         keys = _gather_tables(k_cache, meta.decode_block_tables).to(q.dtype)
         values = _gather_tables(v_cache, meta.decode_block_tables).to(q.dtype)
+        if meta.window is not None:
+            hidden = ~meta.decode_mask[:, 0, 0, :, None].unsqueeze(1)  # [D, 1, cols, 1]
+            keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
         query = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
@@ -117,13 +129,15 @@ def paged_attention(
             meta.prefill_spans = prefill_spans(meta.prefills)
         if kernels.prefill_attention_bf16_(q, k_cache, v_cache, meta.prefill_spans, 1.0 / math.sqrt(head_dim), out):
             return out
-    if len(meta.prefills) > 1 and batches_prefills(meta.prefills, q):
+    if len(meta.prefills) > 1 and meta.window is None and batches_prefills(meta.prefills, q):
         prefill_batched(q, k, v, k_cache, v_cache, meta.prefills, out)
         return out
     for span in meta.prefills:
         end = span.start + span.num_tokens
         query = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
-        if span.context_len == span.num_tokens:
+        if meta.window is not None:
+            attended = _windowed_span(query, k, v, k_cache, v_cache, span, meta.window)
+        elif span.context_len == span.num_tokens:
             # Nothing cached before this chunk: attend to its own fresh K/V, plainly causal.
             keys = k[span.start : end].transpose(0, 1).unsqueeze(0)
             values = v[span.start : end].transpose(0, 1).unsqueeze(0)
@@ -140,6 +154,29 @@ def paged_attention(
             )
         out[span.start : end] = attended[0].transpose(0, 1)
     return out
+
+
+def _windowed_span(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    span: PrefillSpan, window: int,
+) -> torch.Tensor:
+    """A span of a sliding-window layer: token i at position p sees positions p - window < j <= p."""
+    offset = span.context_len - span.num_tokens
+    if offset == 0:
+        end = span.start + span.num_tokens
+        keys = k[span.start : end].transpose(0, 1).unsqueeze(0)
+        values = v[span.start : end].transpose(0, 1).unsqueeze(0)
+    else:
+        keys = _gather(k_cache, span).unsqueeze(0).to(query.dtype)
+        values = _gather(v_cache, span).unsqueeze(0).to(query.dtype)
+        # Rows no query sees (freed blocks read as block 0) may hold anything: zero them.
+        unseen = max(0, offset - window + 1)
+        keys[:, :, :unseen] = 0
+        values[:, :, :unseen] = 0
+    rows = torch.arange(span.num_tokens, device=query.device)[:, None] + offset
+    cols = torch.arange(span.context_len, device=query.device)[None, :]
+    mask = (cols <= rows) & (cols > rows - window)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 def prefill_spans(spans: list[PrefillSpan]) -> cpu_kernels.PrefillSpans:

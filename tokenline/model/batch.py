@@ -65,6 +65,9 @@ class ScheduledSeq:
     # from those positions' logits (the top sampling.prompt_logprobs beside each); the runner
     # answers in ScheduledBatch.prompt_logprobs.
     prompt_logprob_targets: Sequence[int] = ()
+    # Models with several KV cache groups (sliding-window layers, model/kv_groups.py): every group's
+    # table, block_table being the first; -1 where a sliding window let a block go. Empty otherwise.
+    group_block_tables: Sequence[Sequence[int]] = ()
 
     @property
     def num_tokens(self) -> int:

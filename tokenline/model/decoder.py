@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from tokenline.model import cpu_kernels
-from tokenline.model.attention import AttentionMetadata
+from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
 from tokenline.model.batch import FUSED_DECODE_ROWS
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import Cache, CausalLM
+from tokenline.model.kv_groups import layer_slots, layers_per_block
 from tokenline.model.layers import Linear, RMSNorm, RotaryEmbedding, small_batch_rows
 
 
@@ -67,6 +68,8 @@ class DecoderLM(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(self.rotary_dim(config), config.rope_theta, config.rope_scaling)
+        # Attention layer -> (its KV cache group, the KV tensor it reads): model/kv_groups.py.
+        self.kv_layer_slots = layer_slots(config)
         self.fused_decode_rows = _fused_decode_rows_default()
         # Built at the first eligible step (the weights are loaded by then): the kernels, each
         # layer's weights and a scratch buffer; False once found unavailable.
@@ -89,9 +92,22 @@ class DecoderLM(CausalLM):
         if fused is not None:
             return self.norm(fused)
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, positions, cos_sin, cache, meta)
+        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            # Several KV cache groups: each attention layer reads its group's tables and window.
+            layer_meta = meta.groups[self.kv_layer_slots[index][0]] if meta.groups else meta
+            x = layer(x, positions, cos_sin, cache, layer_meta)
         return self.norm(x)
+
+    def paged_kv_caches(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> dict[int, torch.Tensor]:
+        """Attention layer index -> its paged KV tensor. The layers at the same slot of different
+        KV cache groups share one tensor (a block id belongs to one group at a time); with one
+        group, every layer has its own."""
+        c = self.config
+        tensors = [allocate_kv_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype, device)
+                   for _ in range(layers_per_block(c))]
+        return {layer: tensors[slot] for layer, (_, slot) in self.kv_layer_slots.items()}
 
     def _fused_decode(
         self, x: torch.Tensor, positions: torch.Tensor, caches: list[Cache], meta: AttentionMetadata
@@ -127,7 +143,9 @@ class DecoderLM(CausalLM):
         model's layers cannot run there (not plain Llama layers on CPU with float32, quantized or
         packed bfloat16 projections, or no kernels). The runner builds the per-token tables they
         read only for such steps."""
-        fused = self._fused_layers_or_none() if self.fused_decode_rows else None
+        # Not for sliding-window layers: the one-call kernel reads one block table and no window.
+        sliding = self.config.num_sliding_attention_layers > 0
+        fused = self._fused_layers_or_none() if self.fused_decode_rows and not sliding else None
         if fused is None:
             return 0
         bf16 = fused[1][0].fmt == cpu_kernels.BF16_PACKED

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tokenline.model.attention import AttentionMetadata, allocate_kv_cache
+from tokenline.model.attention import AttentionMetadata
 from tokenline.model.cpu_kernels import BF16_PACKED, DecodeLayerWeights
 from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import DecoderLM
@@ -96,9 +96,6 @@ class LlamaForCausalLM(DecoderLM):
         self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device,
         kv_dtype: torch.dtype | None = None,
     ) -> list[Cache]:
-        """One paged KV tensor per layer (no state slots)."""
-        c = self.config
-        return [
-            allocate_kv_cache(num_blocks, block_size, c.num_key_value_heads, c.head_dim, kv_dtype or dtype, device)
-            for _ in range(c.num_hidden_layers)
-        ]
+        """One paged KV tensor per layer (no state slots); shared across KV cache groups with sliding layers."""
+        caches = self.paged_kv_caches(num_blocks, block_size, kv_dtype or dtype, device)
+        return [caches[i] for i in range(self.config.num_hidden_layers)]

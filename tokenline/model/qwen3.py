@@ -1,8 +1,9 @@
 """Qwen3 (dense) for batched serving: Llama plus a per-head RMSNorm on queries and keys before RoPE.
 
 The q/k norms are the plain Llama RMSNorm (weight times the normalised activations cast back), not
-Qwen3.5's zero-centred ``1 + w`` variant. Sliding-window layers are not supported; Qwen3 configs
-ship with ``use_sliding_window: false``.
+Qwen3.5's zero-centred ``1 + w`` variant. Sliding-window layers (``use_sliding_window`` with
+``layer_types``; released Qwen3 configs turn it off) are KV cache groups of their own
+(model/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ from tokenline.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Same interface, cache layout and weight names as :class:`LlamaForCausalLM` (plus q_norm/k_norm)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        if config.raw.get("use_sliding_window"):
-            raise ValueError("Qwen3 with use_sliding_window is not supported")
-        super().__init__(config)
 
     def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
         return LlamaDecoderLayer(config, Attention(config, qk_norm=RMSNorm))

@@ -139,6 +139,30 @@ def make_qwen3_tiny(out_dir: Path, seed: int = 0) -> None:
     _save_random(lambda: Qwen3ForCausalLM(config), Path(out_dir), seed)
 
 
+def make_sliding_tiny(out_dir: Path, seed: int = 0, window: int = 16) -> None:
+    """Write a 6-layer dense Qwen3 whose layers 1-2 and 4-5 use sliding-window attention over
+    ``window`` positions and layers 3 and 6 attend globally (Gemma 3's pattern, shortened): a model
+    with two kinds of KV layer, and a transformers reference that masks the same window."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=window,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    )
+    _save_random(lambda: Qwen3ForCausalLM(config), Path(out_dir), seed)
+
+
 def _save_random(build: Callable[[], Any], out_dir: Path, seed: int) -> None:
     """A transformers model built with seeded weights, in float32, saved as safetensors with its config.
 

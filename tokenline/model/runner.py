@@ -16,6 +16,7 @@ from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, To
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import copy_state_slots
 from tokenline.model.interface import Cache
+from tokenline.model.kv_groups import kv_groups
 from tokenline.model.loader import load_model
 from tokenline.model.mtp_drafter import MtpDrafter
 from tokenline.model.prompt_logprobs import score_tokens
@@ -48,13 +49,19 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size or self.config.vocab_size)
         self.kv_caches: list[Cache] = []
         self.block_size = 0
+        self.kv_group_windows = [g.window for g in kv_groups(self.config)]
         self.mtp: MtpDrafter | None = None
         if mtp_speculative_tokens:
             self.mtp = MtpDrafter(self.model, mtp_speculative_tokens, self.sampler.vocab_size,  # type: ignore[arg-type]
                                   self._prepare)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one pool block: ``block_size`` tokens of K/V for the layers of one KV cache
+        group (all attention layers when there is one group)."""
         per_token = type(self.model).kv_bytes_per_token(self.config, self.kv_dtype.itemsize)
+        groups = kv_groups(self.config)
+        if len(groups) > 1:
+            per_token = per_token * len(groups[0].layers) // self.config.num_full_attention_layers
         if self.mtp is not None:  # the MTP layers' own KV lives in the same blocks
             per_token += self.mtp.kv_bytes_per_token(self.kv_dtype.itemsize)
         return per_token * block_size
@@ -201,6 +208,12 @@ class ModelRunner:
             meta.decode_context_lens = lens
             meta.max_decode_context_len = max(decode_lens)
             meta.decode_state_slots = torch.tensor(decode_slots, dtype=torch.long, device=device)
+        if self.kv_group_windows != [None] and seqs:
+            # Layers of different groups share KV tensors: one table for all would mix their KV.
+            if len(seqs[0].group_block_tables) != len(self.kv_group_windows):
+                raise RuntimeError("this model's sliding-window layers need a table per KV cache group: build its "
+                                   "KVCacheManager with group_windows=runner.kv_group_windows")
+            meta.groups = [self._group_meta(seqs, g, window) for g, window in enumerate(self.kv_group_windows)]
         if per_token and not prefills:
             meta.token_block_tables, meta.token_context_lens = meta.decode_block_tables, meta.decode_context_lens
             meta.max_token_context_len = meta.max_decode_context_len
@@ -217,6 +230,41 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=device),
             sampling_seqs,
         )
+
+    def _group_meta(self, seqs: list[ScheduledSeq], group: int, window: int | None) -> AttentionMetadata:
+        """One KV cache group's attention metadata: its tables (a freed sliding block, -1, reads as
+        block 0, which the window's mask hides), its slots and its window."""
+        bs, device = self.block_size, self.device
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        start = 0
+        for seq in seqs:
+            n = seq.num_tokens
+            context_len = seq.start_pos + n
+            table = [max(b, 0) for b in seq.group_block_tables[group][: -(-context_len // bs)]]
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(seq.start_pos, context_len))
+            if n == 1:
+                tables.append(table)
+                lens.append(context_len)
+            else:
+                block_table = torch.tensor(table, dtype=torch.long, device=device)
+                prefills.append(PrefillSpan(start, n, context_len, block_table))
+            start += n
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), len(tables), prefills=prefills,
+                                 window=window)
+        if tables:
+            meta.decode_block_tables = _padded_tables(tables, device)
+            context = torch.tensor(lens, dtype=torch.long, device=device)
+            cols = torch.arange(meta.decode_block_tables.shape[1] * bs, device=device)
+            visible = cols[None, :] < context[:, None]
+            if window is not None:
+                visible &= cols[None, :] >= context[:, None] - window
+            meta.decode_mask = visible[:, None, None, :]
+            meta.decode_context_lens = context
+            meta.max_decode_context_len = max(lens)
+        return meta
 
     def _copy_states(self, pairs: list[tuple[int | None, int | None]]) -> None:
         """Copy linear-layer state slot ``src`` to slot ``dst`` for each (src, dst), in every layer."""
