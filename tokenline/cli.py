@@ -483,7 +483,7 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
 
 def build_parser() -> CommandLineParser:
     parser = CommandLineParser(prog="tokenline", description="LLM inference server")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, help="the command")
 
     p = commands.add_parser("serve", help="serve the OpenAI-compatible API")
     add_settings(p, SERVE)
@@ -497,15 +497,16 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--model", default=None, help="model directory, .gguf file or a config.json (default: SmolLM2)")
     p.add_argument("--memory", type=float, required=True, help="GiB of memory for weights + KV + states")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the weights and KV cache counted")
     p.add_argument("--hybrid-state-checkpoints", type=int, default=0, metavar="N",
                    help="hybrid models: state checkpoint slots to count (prefix caching)")
     p.set_defaults(func=cmd_plan)
 
     p = commands.add_parser("make-test-model", help="write a tiny random-weight model in HF format (tests, demos)")
-    p.add_argument("kind", choices=["qwen3.5-tiny"])
-    p.add_argument("out")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("kind", choices=["qwen3.5-tiny"], help="which model to make")
+    p.add_argument("out", help="directory to write it to")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.set_defaults(func=cmd_make_test_model)
 
     p = commands.add_parser("import", help="import a model (default: SmolLM2-135M-Instruct) and print its directory")
@@ -513,20 +514,21 @@ def build_parser() -> CommandLineParser:
     p.set_defaults(func=cmd_import)
 
     p = commands.add_parser("generate", help="generate a completion for one prompt")
-    p.add_argument("prompt")
-    p.add_argument("--model", default=None)
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user message")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the model's generation config, else 1)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: random)")
     add_settings(p, OFFLINE)
     p.set_defaults(func=cmd_generate)
 
     p = commands.add_parser("trace", help="walk one chat request through the engine and show every stage")
-    p.add_argument("question")
-    p.add_argument("--model", default=None)
+    p.add_argument("question", help="the user message")
+    p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")
     p.add_argument("--system", default=None, help="a system message before the question")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-candidates", type=int, default=5, help="the sampler's top-K candidates shown per step")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
@@ -536,13 +538,14 @@ def build_parser() -> CommandLineParser:
     add_settings(p, OFFLINE)
     p.set_defaults(func=cmd_trace)
 
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
+                                                                                 help="the benchmark")
     p = bench.add_parser("throughput", help="offline throughput on synthetic prompts")
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--dtypes", nargs="+", default=None, choices=["auto", "float32", "bfloat16"],
                    help="run tokenline once per dtype (default: --dtype)")
     p.add_argument("--workload", default="random", choices=["random", "repeat"],
@@ -551,11 +554,11 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--compare-speculative", action="store_true",
                    help="run each dtype without and with speculation (--speculative, default ngram) side by side")
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate on the same prompts")
-    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--hf-batch-size", type=int, default=32, help="with --hf: prompts per HF generate call")
     p.add_argument("--structured-json-schema", default=None, metavar="FILE",
                    help="run the workload without and then with this JSON schema on every request (one "
                         "engine), and report output tok/s of both and grammar compile p50/p99")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, metavar="FILE", help="also write the results as JSON")
     add_settings(p, OFFLINE)
     p.set_defaults(func=cmd_bench_throughput)
 
@@ -572,7 +575,7 @@ def build_parser() -> CommandLineParser:
                         "--workload dataset; --num-prompts of them, cycling")
     p.add_argument("--num-prompts", type=int, default=64, help="random workload: requests")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (multiturn: per user message)")
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--num-groups", type=int, default=4, help="multiturn: system prompts, one per group")
     p.add_argument("--num-conversations", type=int, default=16, help="multiturn: conversations over the groups")
     p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
@@ -581,9 +584,9 @@ def build_parser() -> CommandLineParser:
                    help="read prefix-cache counters from this replica's /metrics (repeat per replica; "
                         "default: --base-url's)")
     p.add_argument("--metrics-api-key", default=None, help="key for /metrics (default: --api-key)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="Bearer key sent with every request")
     p.add_argument("--endpoint", default=None, choices=["completions", "chat"],
                    help="completions: token-id prompts, exact length; chat: decoded text, approximate "
                         "(default: completions; multiturn: chat)")
@@ -592,28 +595,28 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--extra-body", default=None, metavar="JSON",
                    help='fields merged into every request, e.g. \'{"structured_outputs": {"json": {...}}}\'')
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=cmd_bench_serve)
 
     p = bench.add_parser("roofline", help="decode step time against this machine's memory-bandwidth and FLOP limits")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's dtype")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes timed")
     p.add_argument("--prompt-len", type=int, default=256, help="random prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps first")
     p.add_argument("--bandwidth-bytes", default="2GiB",
                    help="bandwidth buffer, far larger than the last-level cache (e.g. 2GiB, 64MiB)")
     p.add_argument("--repeats", type=int, default=5, help="runs per bandwidth method and matmul (median)")
     p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n x n matmul peak")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--output-json", default=None, metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=cmd_bench_roofline)
 
     p = bench.add_parser("calibrate", help="fit a step-time profile of the real engine on this machine (for simulate)")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--output", default="profile.json", metavar="PROFILE.json")
+    p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the engine's dtype")
+    p.add_argument("--output", default="profile.json", metavar="PROFILE.json", help="where the profile is written")
     p.add_argument("--request-overhead-ms", type=float, default=None,
                    help="per-request time outside the engine (HTTP, tokenize, detokenize) to store in the profile "
                         "(default: measured by the server run, else 0)")
@@ -625,9 +628,9 @@ def build_parser() -> CommandLineParser:
                                              "calibrated profile; reports like bench serve")
     p.add_argument("--profile", required=True, metavar="PROFILE.json", help="written by tokenline bench calibrate")
     p.add_argument("--concurrency", type=int, default=1, help="most requests in flight")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64, help="random workload: requests")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV cache (and state) memory in GiB (default: the machine's memory less the weights, "
                         "or 2 on the calibrated machine)")
@@ -639,8 +642,8 @@ def build_parser() -> CommandLineParser:
                    help="what if: another machine: this (the calibrated one), h200, h100, a100-80gb, l4, or a JSON "
                         "file with memory_bandwidth_gbps, matmul_tflops, memory_gb, dtype")
     p.add_argument("--request-overhead-ms", type=float, default=None, help="override the profile's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--output-json", default=None, metavar="FILE", help="also write the report as JSON")
     p.add_argument("--replicas", type=int, default=1,
                    help="what if: N simulated engines on one clock behind --routing-policy; the report adds "
                         "per-replica counts and the fleet prefix hit rate")
@@ -674,7 +677,7 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--json", action="store_true", help="print that one snapshot as JSON (implies --once)")
     p.set_defaults(func=cmd_top)
 
-    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="keys", required=True)
+    keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="keys", required=True, help="what to do")
     p = keys.add_parser("add", help="create a key for a new tenant and print it once")
     p.add_argument("name", help="tenant name")
     p.add_argument("--file", required=True, help="keys file (TOML); created if missing")
@@ -688,7 +691,8 @@ def build_parser() -> CommandLineParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (and its ``--config`` file) parsed and checked; a usage error exits 2."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if getattr(args, "config", None):  # the file's values become defaults the command line overrides
@@ -707,6 +711,11 @@ def main(argv: list[str] | None = None) -> int:
             restart_policy_from_args(args)
         except ValueError as exc:
             parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return args.func(args)
 
 

@@ -55,7 +55,13 @@ def _text(value: Any) -> str:
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Make the file's values ``parser``'s defaults (checked and converted as the flags would be)."""
     argv = config_file_argv(parser, path)
-    given = parser.parse_args(argv)
+    exit_on_error, parser.exit_on_error = parser.exit_on_error, False  # a bad value: name the file
+    try:
+        given = parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        parser.error(f"--config {path}: {exc}")
+    finally:
+        parser.exit_on_error = exit_on_error
     dests = {parser._option_string_actions[token].dest for token in argv if token in parser._option_string_actions}
     dests |= {parser._option_string_actions["--" + t[5:]].dest for t in argv
               if t.startswith("--no-") and "--" + t[5:] in parser._option_string_actions}
