@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from tokenline.settings.speculative_config import ServeArgsError, speculative_config_fields
 from tokenline.setting_field import (
     API_COMMANDS, ENGINE_COMMANDS, FLEET, KV_CACHE, LIMITED, MODEL, NO_EFFECT, OBSERVABILITY, SERVE, SERVER,
     SIMULATION, SPECULATIVE, VLLM, WIRED, setting,
@@ -35,8 +36,6 @@ def _refuse_executor(value: Any) -> str | None:
 
 
 def _refuse_speculative_config(value: Any) -> str | None:
-    from tokenline.settings.vllm_flags import ServeArgsError, speculative_config_fields
-
     if value is None:
         return None
     try:
