@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenline.engine.client import RestartPolicy
 from tokenline.engine.config import EngineConfig, parse_kv_events_config
+from tokenline.setting_field import OFFLINE, ROUTER, SERVE, SIMULATE
 from tokenline.settings.arg_types import positive_seconds
 from tokenline.settings.catalog import add_settings, settings_kwargs
 from tokenline.settings.config_file import apply_config_file
-from tokenline.setting_field import OFFLINE, ROUTER, SERVE, SIMULATE
 from tokenline.settings.options import RayOptions
 from tokenline.settings.vllm_flags import (
     check_model_argument,
@@ -28,9 +28,9 @@ from tokenline.settings.vllm_flags import (
 )
 
 if TYPE_CHECKING:
-    from tokenline.api.app import ServerSettings
-    from tokenline.sim.replicas import FleetConfig
     from tokenline.router.ray_serve import RayServeSettings
+    from tokenline.settings.server import ServerSettings
+    from tokenline.sim.replicas import FleetConfig
 
 
 class CommandLineParser(argparse.ArgumentParser):

@@ -59,10 +59,6 @@ class Setting:
     idle: Callable[[Any], bool] | None = None
     doc_default: str | None = None  # the reference's default where the value is computed (e.g. "$VLLM_API_KEY")
 
-    @property
-    def positional(self) -> bool:
-        return not self.flags
-
     def has_no_effect(self, value: Any) -> bool:
         if value is None:
             return False  # not given
@@ -74,8 +70,10 @@ class Setting:
 def setting(default: Any = dataclasses.MISSING, *flags: str, help: str, group: str,
             commands: frozenset[str] | set[str] = ENGINE_COMMANDS, default_factory: Any = dataclasses.MISSING,
             **details: Any) -> Any:
-    """A dataclass field declaring one setting (``details``: Setting's other fields, and argparse
-    options such as ``type``, ``choices``, ``action``, ``metavar``, ``nargs``, ``dest``)."""
+    """A dataclass field declaring one setting: ``flags`` (none: a positional argument), the
+    ``commands`` that take it (default: serve and the offline engine commands), and in ``details``
+    Setting's other fields and argparse options (``type``, ``choices``, ``action``, ``metavar``, ``nargs``,
+    ``dest``)."""
     own = {name: details.pop(name) for name in list(details) if name in _SETTING_FIELDS}
     meta = Setting(flags=flags, help=help, group=group, commands=frozenset(commands), options=details, **own)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"setting": meta})

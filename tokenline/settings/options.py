@@ -8,11 +8,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from tokenline.settings.speculative_config import ServeArgsError, speculative_config_fields
 from tokenline.setting_field import (
     API_COMMANDS, ENGINE_COMMANDS, FLEET, KV_CACHE, LIMITED, MODEL, NO_EFFECT, OBSERVABILITY, SERVE, SERVER,
     SIMULATION, SPECULATIVE, VLLM, WIRED, setting,
 )
+from tokenline.settings.speculative_config import ServeArgsError, speculative_config_fields
 
 _SERVE = frozenset({SERVE})
 

@@ -12,11 +12,11 @@ from tokenline.engine.config import EngineConfig
 from tokenline.frontend.reasoning import REASONING_FORMATS
 from tokenline.frontend.tool_parsers import TOOL_CALL_FORMATS
 from tokenline.gateway.cache_scope import PREFIX_CACHE_SCOPES
-from tokenline.settings.arg_types import filter_holdback, positive_int, positive_seconds, zero_is_none
 from tokenline.setting_field import (
     API_COMMANDS, CONNECTIONS, ENGINE, FLEET, MODEL, OBSERVABILITY, ROUTER, SERVE, SERVER, SIMULATE, TENANTS,
     WIRED, setting,
 )
+from tokenline.settings.arg_types import filter_holdback, positive_int, positive_seconds, zero_is_none
 
 if TYPE_CHECKING:
     from tokenline.router.ray_serve import RayServeSettings
