@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenline.engine.client import RestartPolicy
 from tokenline.engine.config import EngineConfig
-from tokenline.setting_field import API_COMMANDS, GROUPS, LIMITED, OFFLINE, Declared, declared
+from tokenline.setting_field import API_COMMANDS, GROUPS, LIMITED, OFFLINE, SIMULATE, Declared, declared
 from tokenline.settings.options import CommandOptions, RayOptions
 from tokenline.settings.server import ServerSettings
 
@@ -72,6 +72,8 @@ def add_settings(parser: argparse.ArgumentParser, command: str) -> None:
 
 def command_of(args: argparse.Namespace) -> str:
     """The settings command ``args`` were parsed for (generate, trace, bench throughput: offline)."""
+    if args.command == SIMULATE:
+        return SIMULATE
     return args.command if args.command in API_COMMANDS else OFFLINE
 
 
