@@ -1,6 +1,6 @@
-"""The docs site's generated reference pages, built from the code so that they cannot drift:
-the configuration reference from the real argument parser (``tokenline.cli.build_parser``) and the
-HTTP API reference from the OpenAPI document the app builds (no server runs).
+"""The docs site's HTTP API reference, built at each docs build from the OpenAPI document the app
+builds (no server runs), so that it cannot drift. (The configuration reference is written from the
+settings' declarations by ``scripts/configuration_reference.py``; a test holds it equal.)
 
 MkDocs loads this file as a hook (``mkdocs.yml``: ``hooks``); its ``on_files`` adds the pages to
 the site without writing them into ``docs/``. ``python docs/gen_reference.py DIR`` writes them to
@@ -9,51 +9,16 @@ DIR to read them as text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-CONFIGURATION_PAGE = "reference/configuration.md"
 API_PAGE = "reference/api.md"
 
 
 def _cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
-
-
-def _subcommands(parser: argparse.ArgumentParser, prefix: str,
-                 summary: str = "") -> list[tuple[str, str, argparse.ArgumentParser]]:
-    """(``tokenline serve``, its one-line help, its parser) for every (sub)command, depth first."""
-    found = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
-            for name, sub in action.choices.items():
-                found += _subcommands(sub, f"{prefix} {name}", helps.get(name, ""))
-            return found
-    return [(prefix, summary, parser)]
-
-
-def configuration_markdown() -> str:
-    """One table per command: flag, default and help, as the parser has them."""
-    from tokenline.cli import build_parser
-
-    lines = ["# Configuration reference", "",
-             "Generated from `tokenline.cli.build_parser()` at each docs build: every command's flags, "
-             "their defaults and help, exactly as `tokenline COMMAND --help` gives them.", ""]
-    for command, summary, parser in _subcommands(build_parser(), "tokenline"):
-        lines += [f"## `{command}`", "", _cell(parser.description or summary), "",
-                  "| flag | default | help |", "|---|---|---|"]
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
-                continue
-            names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest.upper()}` (positional)"
-            default = "" if action.default in (None, argparse.SUPPRESS) else f"`{_cell(action.default)}`"
-            lines.append(f"| {names} | {default} | {_cell(action.help or '')} |")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def openapi_document() -> dict[str, Any]:
@@ -111,7 +76,7 @@ def api_markdown(document: dict[str, Any] | None = None) -> str:
 
 
 def pages() -> dict[str, str]:
-    return {CONFIGURATION_PAGE: configuration_markdown(), API_PAGE: api_markdown()}
+    return {API_PAGE: api_markdown()}
 
 
 def on_files(files: Any, config: Any) -> Any:

@@ -18,25 +18,31 @@ ROOT = Path(tokenline.__file__).parent
 ALLOWED: dict[str, set[str]] = {
     "sampling_params": set(),
     "model": {"sampling_params"},
-    "engine": {"model", "sampling_params"},
+    "engine": {"model", "sampling_params", "setting_field"},
     "frontend": {"engine.messages", "model.grammar", "sampling_params"},
     "gateway": {"engine.messages", "model.model_store"},
     "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "router", "sampling_params",
-            "__version__"},
+            "settings.server", "__version__"},
     # routing policies and fleet clients: engine records and clients, never a model
     "router": {"engine", "sampling_params"},
     "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
     # bench serve reads /metrics deltas with top's helpers (top imports no tokenline code)
     "bench": {"engine", "frontend", "llm", "model", "sampling_params", "top"},
-    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
-            "sim", "top", "trace_walk"},
+    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "settings",
+            "setting_field", "sim", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape; calibrate measures the machine with bench roofline's probes
     "sim": {"bench.multiturn", "bench.neighbour_cpu", "bench.roofline", "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
-    # cli's table of vLLM serve flags; JSON-object flags are read as the engine's config reads them
-    "serve_args": {"engine.config", "model.model_store"},
+    # where vLLM's serve flags were tabled; the names stay importable from it
+    "serve_args": {"settings.vllm_flags"},
+    # every setting declared once (setting_field, a leaf) on the records that own it; the parsers,
+    # --config files and the reference are made from them
+    "setting_field": set(),
+    "settings": {"engine.client", "engine.config", "frontend.chat_template", "frontend.reasoning",
+                 "frontend.tool_parsers", "gateway.cache_scope", "model.model_store", "router.ray_serve",  # a type
+                 "setting_field"},
     "__init__": {"llm", "sampling_params"},
 }
 

@@ -18,9 +18,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -48,9 +47,9 @@ from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_ope
 from tokenline.api.passthrough import PassthroughServing
 from tokenline.api.readiness import ReadinessGate
 from tokenline.api.serving import OpenAIServing
-from tokenline.engine.client import EngineClient, RestartPolicy
-from tokenline.engine.config import EngineConfig
+from tokenline.engine.client import EngineClient
 from tokenline.engine.process_client import EngineProcessClient
+from tokenline.settings.server import ServerSettings
 from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.reasoning import REASONING_FORMATS
@@ -72,78 +71,9 @@ from tokenline.gateway.response_store import ResponseStore
 from tokenline.model.config import ModelConfig, load_generation_config
 from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
 
-if TYPE_CHECKING:
-    from tokenline.router.ray_serve import RayServeSettings
-
 logger = logging.getLogger("tokenline.api")
 
 ENGINE_CRASH_LOOP_EXIT_CODE = 3  # the server's exit status when the engine keeps dying
-
-
-@dataclass
-class ServerSettings:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # The name clients use, or several (vLLM's aliases): the first is the one responses report.
-    served_model_name: str | list[str] | None = None
-    api_key: str | None = None  # one key, like vLLM's --api-key
-    keys_file: str | None = None  # tenants with hashed keys and limits (TOML)
-    redis_url: str | None = None  # share rate-limit state between servers
-    usage_db: str | None = None  # the usage ledger (SQLite); default under TOKENLINE_HOME
-    prices_file: str | None = None  # USD per million input / output tokens, per model (TOML)
-    log_prompts: bool = False  # user text is never logged unless asked
-    content_filter: str | None = None  # default safety filters (TOML/JSON) for tenants without their own
-    filter_holdback: int | None = None  # characters of output streams hold back for the filters; None: auto
-    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think>…</think> goes to reasoning_content
-    tool_call_parser: str | None = None  # a tool_parsers.TOOL_CALL_FORMATS name: calls in that format → tool_calls
-    request_timeout: float | None = 600.0  # seconds a request may take end to end
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
-    max_request_bytes: int = 4 * 1024 * 1024  # request bodies above this get a 413 unread
-    max_tokenize_bytes: int = 1024 * 1024  # the same for /tokenize and /detokenize (free of tokens)
-    traces_per_tenant: int = 10_000  # request traces kept per tenant (refused ones apart, a tenth as many)
-    max_messages: int = 1024
-    max_tokens_cap: int | None = None  # largest max_tokens a request may ask for (omitted: this)
-    # Operator opt-in: special-token strings in message content and text prompts become special
-    # tokens (by default user text is tokenized as text and cannot open or close a turn).
-    allow_special_tokens_in_content: bool = False
-    # Who may read /metrics with keys configured: "admin", "key" or "none"; None = admin on the API
-    # listener, none on its own (--metrics-port). See gateway/door_policy.py.
-    metrics_auth: str | None = None
-    metrics_port: int | None = None  # serve /metrics on its own listener (and not on the API's)
-    metrics_host: str | None = None  # that listener's address (default: host)
-    metrics_tenant_labels: bool = False  # tenant names on /metrics only when asked
-    header_timeout: float | None = 10.0  # seconds a connection has to send a complete request head
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
-    # Connection budgets (gateway/connection_budget.py): connections whose request the door let in
-    # (beyond them a new one takes an idle or uploading one's place, else gets a 503), connections
-    # that have not yet proved anything, and those from one source address.
-    max_connections: int | None = 1024
-    max_pending_connections: int | None = 256
-    max_pending_per_address: int | None = 32
-    body_timeout: float | None = 60.0  # seconds a request body may take to arrive (else 408)
-    body_min_rate: float | None = 500.0  # bytes/s a body must average after its first 5 s (else 408)
-    prefix_cache_scope: str = "tenant"  # who may reuse a cached prompt prefix (gateway/cache_scope.py)
-    chat_template: str | None = None  # template source replacing the model's (vLLM's --chat-template)
-    generation_config: str = "auto"  # sampling defaults: "auto" (the model's), "vllm" (none) or a folder
-    uvicorn_log_level: str = "info"
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    # --data-parallel-size: N engine processes behind this API process, a routing policy choosing
-    # one per request (tokenline/router); threads per engine default to the cores split evenly.
-    data_parallel_size: int = 1
-    threads_per_engine: int | None = None
-    routing_policy: str | None = None  # default: kv_events (tokenline/router/policies.py)
-    session_affinity: bool = False  # requests with the same `user` stay on one engine
-    # `tokenline router`: remote servers (tokenline or vLLM, --upstream values) instead of local
-    # engines; this process keeps the gateway and the text work and speaks token ids to them.
-    upstreams: list[str] = field(default_factory=list)
-    upstream_api_key: str | None = None
-    health_interval: float = 2.0  # seconds between an upstream's health checks (and /metrics scrapes)
-    unhealthy_after: int = 3  # failed checks in a row before an upstream is out (a refused connection: 1)
-    # --ray: engine replicas on Ray Serve, routed by the policy in Ray Serve's router (router/ray_serve.py).
-    ray: RayServeSettings | None = None
-    # A dead engine is restarted with backoff; more deaths than this within the window exit the server.
-    engine_restart: RestartPolicy | None = field(default_factory=RestartPolicy)
 
 
 def served_model_names(settings: ServerSettings) -> list[str]:

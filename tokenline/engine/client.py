@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from tokenline.engine.kv_events import AllBlocksCleared
 from tokenline.engine.messages import EngineOutput, EngineReady, EngineRequest, EngineStats, StepOutputs
+from tokenline.setting_field import RESTARTS, SERVE, setting
 
 logger = logging.getLogger("tokenline.engine")
 
@@ -43,10 +44,16 @@ class RestartPolicy:
     backoff_base_s * 2**k)``, where ``k`` counts the deaths still inside the window; more than
     ``max_restarts`` deaths within ``window_s`` seconds is a crash loop, and the client gives up."""
 
-    max_restarts: int = 5
-    window_s: float = 300.0
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 30.0
+    max_restarts: int = setting(
+        5, "--engine-restart-max", group=RESTARTS, commands={SERVE}, type=int,
+        help="restarts of a dead engine allowed within --engine-restart-window; one more death exits the server "
+             "with status 3 (0 = never restart)")
+    window_s: float = setting(300.0, "--engine-restart-window", group=RESTARTS, commands={SERVE}, type=float,
+                              help="seconds (crash-loop window)")
+    backoff_base_s: float = setting(1.0, "--engine-restart-backoff", group=RESTARTS, commands={SERVE}, type=float,
+                                    help="seconds before the first restart; doubles with each death in the window")
+    backoff_max_s: float = setting(30.0, "--engine-restart-backoff-max", group=RESTARTS, commands={SERVE},
+                                   type=float, help="longest wait before a restart, in seconds")
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_base_s < 0 or self.backoff_max_s < 0:

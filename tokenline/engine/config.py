@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -13,6 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from tokenline.engine.ngram_proposer import check_ngram_settings
 from tokenline.engine.suffix_proposer import check_suffix_settings
+from tokenline.setting_field import (
+    API_COMMANDS, ENGINE, ENGINE_COMMANDS, KV_CACHE, LIMITED, MODEL, SERVE, SIMULATE, SPECULATIVE, STRUCTURED, WIRED,
+    setting,
+)
 
 if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore
@@ -33,46 +38,107 @@ KV_CACHE_DTYPES = ("auto", "bfloat16")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
+def refuse_quantization(value: Any) -> str | None:
+    """Why serve cannot honour vLLM's ``--quantization VALUE`` (None: it can)."""
+    if value is None or value in QUANTIZATIONS:
+        return None
+    return (f"quantization {value!r} is not supported: tokenline quantizes weights only to ggml's blocks "
+            f"({', '.join(QUANTIZATIONS)})")
+
+
+def refuse_kv_cache_dtype(value: Any) -> str | None:
+    if value is None or value in KV_CACHE_DTYPES:
+        return None
+    return f"kv cache dtype {value!r} is not supported: choose {' or '.join(KV_CACHE_DTYPES)}"
+
+
+_ALL = ENGINE_COMMANDS | API_COMMANDS
+
+
 @dataclass
 class EngineConfig:
-    dtype: str = "auto"
-    device: str = "cpu"
+    dtype: str = setting("auto", "--dtype", group=MODEL, choices=["auto", "float32", "bfloat16", "float16"],
+                         help="weights and activations dtype (auto = bfloat16)")
+    device: str = setting("cpu", "--device", group=ENGINE, help="the torch device the engine runs on")
     # Weight-only quantization of the linear layers to ggml's blocks: "q4_1" or "q8_0" (None: --dtype).
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    block_size: int = 16
-    kv_cache_memory_gib: float = 2.0  # like vLLM's VLLM_CPU_KVCACHE_SPACE
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib (tests use tiny pools)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    enable_prefix_caching: bool = True
+    quantization: str | None = setting(
+        None, "--quantization", "-q", group=MODEL, commands=_ALL, choices=QUANTIZATIONS, vllm=LIMITED,
+        refuse=refuse_quantization, idle=lambda v: False,
+        help="q4_1 or q8_0: weight-only quantization in ggml's blocks (the head Q8_0), read in place by our "
+             "kernels; a GGUF's own Q4_1 blocks for the default model; other methods refused")
+    kv_cache_dtype: str = setting(
+        "auto", "--kv-cache-dtype", group=KV_CACHE, commands=_ALL, choices=KV_CACHE_DTYPES, vllm=LIMITED,
+        refuse=refuse_kv_cache_dtype, idle=lambda v: False,
+        help="auto (the KV cache in --dtype) or bfloat16 (half a float32 model's KV: rounded on write, widened "
+             "on read); fp8 formats refused")
+    block_size: int = setting(16, "--block-size", group=KV_CACHE, type=int, help="tokens per KV cache block")
+    kv_cache_memory_gib: float = setting(2.0, "--kv-cache-memory", group=KV_CACHE, type=float, metavar="GIB",
+                                         help="GiB of memory for the KV cache (like VLLM_CPU_KVCACHE_SPACE)")
+    # Tests use tiny pools.
+    num_kv_blocks: int | None = setting(None, "--num-kv-blocks", group=KV_CACHE, commands={SERVE}, type=int,
+                                        help="KV cache blocks (overrides --kv-cache-memory)")
+    max_model_len: int | None = setting(None, "--max-model-len", group=MODEL, type=int,
+                                        help="context length (default: the model's)")
+    max_num_seqs: int = setting(128, "--max-num-seqs", group=ENGINE, commands=ENGINE_COMMANDS | {SIMULATE},
+                                type=int, help="most sequences in one step")
+    max_num_batched_tokens: int = setting(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens", group=ENGINE,
+        commands=ENGINE_COMMANDS | {SIMULATE}, type=int, help="token budget of one step (prefill chunks + decodes)")
+    enable_prefix_caching: bool = setting(True, "--enable-prefix-caching", group=KV_CACHE,
+                                          action=argparse.BooleanOptionalAction,
+                                          help="reuse cached prompt prefixes (on by default)")
     # Free cached prefixes keep their blocks while less than this much of the KV pool was ever
     # touched; past it they are evicted before never-touched blocks, so resident KV is at most this
     # or the peak in use at once (block_pool.py). prefix_cache_fills_pool overrides it: True lets
     # the prefix cache fill the whole pool (all of kv_cache_memory_gib resident in the end), False
     # keeps resident KV at the peak in use.
-    prefix_cache_resident_memory_gib: float = 0.5
-    prefix_cache_fills_pool: bool | None = None
+    prefix_cache_resident_memory_gib: float = setting(
+        0.5, "--prefix-cache-resident-memory", group=KV_CACHE, type=float, metavar="GIB",
+        help="freed prefixes stay cached in fresh KV memory until this many GiB of the pool were touched; past "
+             "it they are evicted before touching more, so resident KV is at most this or the peak in use")
+    prefix_cache_fills_pool: bool | None = setting(
+        None, "--prefix-cache-fills-pool", group=KV_CACHE, action=argparse.BooleanOptionalAction,
+        help="overrides --prefix-cache-resident-memory: keep freed prefixes cached until the whole KV pool is in "
+             "use (more prefix hits, all of --kv-cache-memory resident in the end); --no-... evicts them before "
+             "touching new memory, so resident KV is the peak in use")
     # Hybrid models: prefix caching through recurrent-state checkpoints, one kept every this many
     # tokens (a multiple of block_size; None: 4 blocks) besides each prompt's end and each
     # sequence's deepest block; the pool holds this many (None: 2 x max_num_seqs, at most half of
     # the cache memory). 0 turns prefix caching off for hybrid models.
-    hybrid_state_checkpoint_interval: int | None = None
-    hybrid_state_checkpoints: int | None = None
+    hybrid_state_checkpoint_interval: int | None = setting(
+        None, "--hybrid-state-checkpoint-interval", group=KV_CACHE, type=int, metavar="TOKENS",
+        help="hybrid models: keep a recurrent-state checkpoint every TOKENS tokens, a multiple of --block-size "
+             "(default: 4 blocks), besides each prompt's end")
+    hybrid_state_checkpoints: int | None = setting(
+        None, "--hybrid-state-checkpoints", group=KV_CACHE, type=int, metavar="N",
+        help="hybrid models: state checkpoint slots (default: 2 x --max-num-seqs, at most half of "
+             "--kv-cache-memory); 0 turns prefix caching off for them")
     check_integrity_every_step: bool = False
     # Speculative decoding (greedy requests): "ngram" drafts by prompt lookup, "suffix" from a
     # suffix tree of the request's tokens (adaptive length), "mtp" with the checkpoint's own
     # multi-token-prediction head (hybrid Qwen3.5-class models).
-    speculative: str | None = None
-    num_speculative_tokens: int = 4  # most draft tokens per request and step
-    prompt_lookup_max: int = 4  # longest n-gram the proposer matches
-    prompt_lookup_min: int = 2  # shortest
+    speculative: str | None = setting(
+        None, "--speculative", group=SPECULATIVE, choices=["ngram", "suffix", "mtp"],
+        help="speculative decoding for greedy requests; ngram: drafts looked up in the context; suffix: drafts "
+             "from a suffix tree of the request's tokens, adaptive length; mtp: drafts from the checkpoint's own "
+             "multi-token-prediction head (hybrid Qwen3.5)")
+    num_speculative_tokens: int = setting(4, "--num-speculative-tokens", group=SPECULATIVE, type=int,
+                                          help="most draft tokens per request and step")
+    prompt_lookup_max: int = setting(4, "--prompt-lookup-max", group=SPECULATIVE, type=int,
+                                     help="longest n-gram the ngram proposer matches")
+    prompt_lookup_min: int = setting(2, "--prompt-lookup-min", group=SPECULATIVE, type=int,
+                                     help="shortest n-gram the ngram proposer matches")
     # Suffix decoding, named as vLLM's: the tree's depth (match + draft), drafts at most this factor
     # x the match length, and the least estimated probability a drafted run may have.
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_tree_depth: int = setting(
+        24, "--suffix-decoding-max-tree-depth", group=SPECULATIVE, type=int,
+        help="suffix proposer: deepest substring the tree holds (match + draft)")
+    suffix_decoding_max_spec_factor: float = setting(
+        1.0, "--suffix-decoding-max-spec-factor", group=SPECULATIVE, type=float,
+        help="suffix proposer: drafts at most this factor x the match length")
+    suffix_decoding_min_token_prob: float = setting(
+        0.1, "--suffix-decoding-min-token-prob", group=SPECULATIVE, type=float,
+        help="suffix proposer: stop drafting where the estimated probability falls below this")
     # KV cache events (vLLM's --kv-events-config): recorded by the block pool and sent with every
     # StepOutputs; with an endpoint also published on a ZMQ PUB socket the engine binds, e.g.
     # "tcp://127.0.0.1:5557", with an optional ROUTER socket that replays missed batches.
@@ -84,13 +150,20 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     # Memory the compiled grammars may hold (model/grammar.py's estimate), least recently used
     # evicted first; 0: none is kept after its requests.
-    grammar_cache_bytes: int = 256 << 20
+    grammar_cache_bytes: int = setting(
+        256 << 20, "--grammar-cache-bytes", group=STRUCTURED, type=int, metavar="BYTES",
+        help="memory the compiled structured-output grammars may hold, least recently used evicted first "
+             "(0 keeps none)")
     # Threads for the engine's torch ops and kernels (None: torch's default, all cores); with
     # --data-parallel-size the cores are split between the engines.
     num_threads: int | None = None
     data_parallel_rank: int = 0  # which engine of a data-parallel server (KV events carry it)
-    seed: int | None = None  # vLLM's --seed: seeds the RNG of requests that bring no seed of their own
-    tokenizer: str | None = None  # vLLM's --tokenizer: a directory whose tokenizer.json replaces the model's
+    # vLLM's --seed: seeds the RNG of requests that bring no seed of their own.
+    seed: int | None = setting(None, "--seed", group=ENGINE, commands=API_COMMANDS, type=int, vllm=WIRED,
+                               help="seeds the sampling of requests that bring no seed")
+    # vLLM's --tokenizer: a directory whose tokenizer.json replaces the model's.
+    tokenizer: str | None = setting(None, "--tokenizer", group=MODEL, commands=API_COMMANDS, vllm=WIRED,
+                                    help="a directory whose tokenizer replaces the model's")
     # Builds the engine core instead of loading the model: a picklable callable (it travels to the
     # spawned engine process) taking (config, model_dir, vocab_size), e.g. tokenline.sim's
     # simulated replica (serve --simulate). None: the model.
