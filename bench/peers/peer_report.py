@@ -147,13 +147,13 @@ def _prefill_note(meta: dict[str, Any]) -> list[str]:
         return []
     if "error" in bound:
         return [f"- Prefill bound: not measured ({bound['error']})."]
-    how = "measured (a 2048³ torch.mm)" if bound.get("measured") else "given"
+    how = "measured on a 2048³ torch.mm" if bound.get("measured") else "given"
     return [(f"- Long prompts: prompt tok/s is the run's prompt tokens over its wall time (a lower bound on the "
              f"prefill rate: the run decodes too). Next to it, the matmul peak: bfloat16 "
              f"{bound['matmul_peak_gflops']:.0f} GFLOP/s ({how}) at {bound['linear_flops_per_token'] / 1e6:.0f} "
              f"MFLOP of linears a prompt token allows {bound['prompt_tok_s_at_peak']:.0f} prompt tok/s. The chat "
              "scenario runs with tokenline's client only (vLLM's has no multi-turn workload); its prompts count "
-             "the history a prefix cache may skip.")]
+             "the history a prefix cache may skip (the share it skipped: cached_tokens_share in the client's JSON).")]
 
 
 def render_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:

@@ -386,7 +386,7 @@ def test_report_long_prompt_rows_and_the_prefill_bound(compare: ModuleType) -> N
     assert "| c=16, 2048 in / 128 out: TTFT p99 ms | 20000 |" in text
     assert "| c=16, 2048 in / 128 out: prompt tok/s | 812 |" in text
     assert not any(line.startswith("| c=4, 2048") for line in text.splitlines())  # not run: no row
-    assert "bfloat16 400 GFLOP/s (measured" in text and "allows 2000 prompt tok/s" in text
+    assert "bfloat16 400 GFLOP/s (measured on" in text and "allows 2000 prompt tok/s" in text
     meta["prefill_bound"] = {"error": "no compiler"}
     assert "Prefill bound: not measured (no compiler)" in peer_report.render_report(results, meta)
 
