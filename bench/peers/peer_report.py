@@ -33,6 +33,12 @@ ROWS = [
     Row("batch-1 decode TPOT p50 ms", "decode", "tpot_p50_ms", ".1f"),
     Row("c=8, 192 of 256 tokens shared: output tok/s", "prefix-c8", "output_throughput", ".1f"),
     Row("c=8, 192 of 256 tokens shared: TTFT p50 ms", "prefix-c8", "ttft_p50_ms", ".0f"),
+    # Long prompts: prefill-bound; "prompt tok/s" is prompt tokens over the run's wall time (see the notes).
+    *(Row(f"{title}: {label}", scenario, key, spec)
+      for scenario, title in (("long-c4", "c=4, 2048 in / 128 out"), ("long-c16", "c=16, 2048 in / 128 out"),
+                              ("chat", "chat, 6 turns to ~4k history, c=4"))
+      for label, key, spec in (("output tok/s", "output_throughput", ".1f"), ("TTFT p50 ms", "ttft_p50_ms", ".0f"),
+                               ("TTFT p99 ms", "ttft_p99_ms", ".0f"), ("prompt tok/s", "prompt_throughput", ".0f"))),
 ]
 
 
@@ -134,6 +140,22 @@ def runs_table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _prefill_note(meta: dict[str, Any]) -> list[str]:
+    """The long scenarios' yardstick: the prompt tokens / s the machine's bfloat16 matmul peak allows."""
+    bound = meta.get("prefill_bound")
+    if not bound:
+        return []
+    if "error" in bound:
+        return [f"- Prefill bound: not measured ({bound['error']})."]
+    how = "measured on a 2048³ torch.mm" if bound.get("measured") else "given"
+    return [(f"- Long prompts: prompt tok/s is the run's prompt tokens over its wall time (a lower bound on the "
+             f"prefill rate: the run decodes too). Next to it, the matmul peak: bfloat16 "
+             f"{bound['matmul_peak_gflops']:.0f} GFLOP/s ({how}) at {bound['linear_flops_per_token'] / 1e6:.0f} "
+             f"MFLOP of linears a prompt token allows {bound['prompt_tok_s_at_peak']:.0f} prompt tok/s. The chat "
+             "scenario runs with tokenline's client only (vLLM's has no multi-turn workload); its prompts count "
+             "the history a prefix cache may skip (the share it skipped: cached_tokens_share in the client's JSON).")]
+
+
 def render_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     clients = meta.get("clients") or list(CLIENT_TITLES)
     lines = [
@@ -161,6 +183,7 @@ def render_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> s
               ("- Peak RSS: the sum of VmRSS over the server's process tree, sampled every 0.2 s from /proc over "
                "start-up and load (pages shared between its processes count once per process). Cold start: "
                "launch until `GET /health` answers 200."),
+              *_prefill_note(meta),
               "- Models: " + "; ".join(f"{name}: {result.get('model') or '?'}" for name, result in results.items()) + ".",
               "- Command lines, environments and every client's own JSON: results.json and the files beside it.",
               ""]

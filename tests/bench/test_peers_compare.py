@@ -223,6 +223,39 @@ def test_tokenline_args_reach_only_tokenline_systems_and_their_note(compare: Mod
     assert compare.make_system("tokenline", 8000, 2, tokenline_args=extra).argv[-3:] == extra
 
 
+def test_long_scenarios_on_request(compare: ModuleType) -> None:
+    """``--scenarios long``: 2,048-token prompts at c=4 and c=16 and a chat whose last turn holds ~4 k
+    tokens of history; the default set stays issue 17's."""
+    args = compare.parse_args(["--scenarios", "c1,long"])
+    by_name = {s.name: s for s in args.scenario_list}
+    assert list(by_name) == ["c1", "long-c4", "long-c16", "chat"]
+    assert [(by_name[n].concurrency, by_name[n].input_len, by_name[n].output_len) for n in ("long-c4", "long-c16")] == [
+        (4, 2048, 128), (16, 2048, 128)]
+    chat = by_name["chat"]
+    history = chat.system_prompt_len + chat.turns * chat.input_len + (chat.turns - 1) * chat.output_len
+    assert chat.workload == "multiturn" and 3500 <= history <= 4500
+    assert compare.parse_args(["--scenarios", "long", "--quick"]).quick
+
+
+def test_tokenline_bench_argv_random_and_multiturn(compare: ModuleType, tmp_path: Path) -> None:
+    import peer_clients
+
+    def flags(argv: list[str]) -> dict[str, str]:
+        return dict(zip(argv[3::1], argv[4::1]))
+
+    random = peer_clients.tokenline_bench_argv("tl", "http://h", peer_clients.Workload(16, 32, 2048, 128, seed=5),
+                                               tmp_path / "r.json")
+    assert flags(random)["--num-prompts"] == "32" and flags(random)["--input-len"] == "2048"
+    assert "--workload" not in random
+    chat = peer_clients.Workload(4, 8, 448, 128, seed=6, workload="multiturn", turns=6, system_prompt_len=512)
+    argv = peer_clients.tokenline_bench_argv("tl", "http://h", chat, tmp_path / "r.json")
+    f = flags(argv)
+    assert (f["--workload"], f["--num-conversations"], f["--turns"], f["--system-prompt-len"]) == (
+        "multiturn", "8", "6", "512")
+    assert f["--num-groups"] == "8" and f["--concurrency"] == "4" and "--num-prompts" not in argv
+    assert "multiturn" not in peer_clients.CLIENT_WORKLOADS["vllm"]  # vLLM's client has no chat workload
+
+
 # --------------------------------------------------------------------------------------------------
 # the clients
 
@@ -254,6 +287,7 @@ def test_parse_a_real_vllm_bench_serve_result(compare: ModuleType) -> None:
     assert m.ttft_p50_ms == data["p50_ttft_ms"] and m.tpot_p50_ms == data["p50_tpot_ms"]
     assert m.ttft_p99_ms >= m.ttft_p50_ms > 0 and m.tpot_p99_ms >= m.tpot_p50_ms > 0
     assert m.e2el_p50_ms >= m.ttft_p50_ms  # the first token is part of the whole request
+    assert m.prompt_throughput == pytest.approx(4 * 256 / m.duration_s)
     assert m.first_error == ""
     # An older file without p50 keys: its medians stand in.
     older = {k.replace("p50_", "median_"): v for k, v in data.items()}
@@ -280,6 +314,7 @@ def test_parse_a_tokenline_bench_serve_report(compare: ModuleType) -> None:
     assert m.output_throughput == pytest.approx(288.0) and m.request_throughput == pytest.approx(2.25)
     assert (m.ttft_p50_ms, m.ttft_p99_ms, m.tpot_p50_ms, m.tpot_p99_ms) == (250.0, 500.0, 19.0, 30.0)
     assert (m.itl_p50_ms, m.e2el_p50_ms, m.first_error) == (18.0, 2900.0, "HTTP 500")
+    assert m.to_dict()["prompt_throughput"] == pytest.approx(2304 / 4.0)  # prompt tokens over the run
     with pytest.raises(ValueError):
         peer_clients.parse_result("sglang", {})
 
@@ -336,6 +371,24 @@ def test_report_table_shape_ratios_and_rejections(compare: ModuleType) -> None:
     assert len(runs) == 2 and "12.0 %" in runs[0] and "rejected: neighbours took" in runs[0]
     assert runs[1].endswith("| 1.0 % | 0.0 % | accepted |")
     assert "| vllm | tokenline | c1 | 0 | 601 | – |" in text and "error: tokenline client exited 1: boom" in text
+
+
+def test_report_long_prompt_rows_and_the_prefill_bound(compare: ModuleType) -> None:
+    import peer_report
+
+    run = _run("long-c16", "tokenline", 54.1, 9000.0, 60.0)
+    run["metrics"].update(ttft_p99_ms=20000.0, prompt_throughput=812.4)
+    results = {"tokenline": {"cold_start_s": 5.0, "peak_rss_bytes": 1e9, "runs": [run]}}
+    meta = {"when": "w", "host": "h", "cpus": 2, "clients": ["tokenline"], "max_neighbour_cpu": 5.0, "retry": 0,
+            "prefill_bound": {"matmul_peak_gflops": 400.0, "measured": True, "linear_flops_per_token": 2.0e8,
+                              "prompt_tok_s_at_peak": 2000.0}}
+    text = peer_report.render_report(results, meta)
+    assert "| c=16, 2048 in / 128 out: TTFT p99 ms | 20000 |" in text
+    assert "| c=16, 2048 in / 128 out: prompt tok/s | 812 |" in text
+    assert not any(line.startswith("| c=4, 2048") for line in text.splitlines())  # not run: no row
+    assert "bfloat16 400 GFLOP/s (measured on" in text and "allows 2000 prompt tok/s" in text
+    meta["prefill_bound"] = {"error": "no compiler"}
+    assert "Prefill bound: not measured (no compiler)" in peer_report.render_report(results, meta)
 
 
 def test_render_only_rewrites_the_table_from_results_json(compare: ModuleType, tmp_path: Path,

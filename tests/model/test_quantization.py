@@ -12,7 +12,7 @@ import torch
 
 from tokenline.llm import LLM
 from tokenline.model import cpu_kernels
-from tokenline.model.layers import QUANTIZED_GEMV_ROWS, Linear, QuantizedEmbedding
+from tokenline.model.layers import QUANTIZED_BF16_DEQUANT_ROWS, QUANTIZED_GEMV_ROWS, Linear, QuantizedEmbedding
 from tokenline.model.model_store import default_gguf_path
 from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, QuantizedWeight, quantize
 from tokenline.sampling_params import SamplingParams
@@ -78,14 +78,20 @@ def _check_kernel(lib: cpu_kernels.CpuKernels) -> None:
     for fmt in QUANTIZATIONS:
         # rows read in place (1-4: the fused layer's; 6: two row groups), through dequantized tiles
         # (9, 37: odd rows); odd column counts (tails)
+        # the batched bfloat16 kernel: panels of 16 outputs with a partial last one, row tiles of up to 8
         for m, n, k in [(1, 576, 576), (2, 49, 64), (3, 1536, 576), (4, 101, 1536), (6, 33, 64), (9, 50, 96),
-                        (37, 21, 64)]:
+                        (37, 21, 64), (32, 960, 576), (17, 16, 32)]:
             w = torch.randn(n, k, generator=generator) * 0.05
             x = torch.randn(m, k, generator=generator)
             q = quantize(w, fmt)
             got = lib.linear_q(x, q.blocks, q.code, n)
             exact = x.double() @ q.dequantize().double().T
             assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 2e-6, (fmt, m, n, k)
+            # bfloat16 rows (a bfloat16 model's): the same exact products, against the rows as given
+            xb = x.bfloat16()
+            got = lib.linear_q_bf16(xb, q.blocks, q.code, n)
+            exact = xb.double() @ q.dequantize().double().T
+            assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 2e-6, (fmt, m, n, k, "bf16")
 
 
 @needs_kernels
@@ -100,6 +106,8 @@ def test_kernel_matches_float64_on_the_dequantized_weight() -> None:
         kernels.linear_q(torch.randn(2, 96), q.blocks, q.code, 8)  # blocks of another width
     with pytest.raises(ValueError):
         kernels.linear_q(torch.randn(2, 64, dtype=torch.bfloat16), q.blocks, q.code, 8)
+    with pytest.raises(ValueError):
+        kernels.linear_q_bf16(torch.randn(2, 64), q.blocks, q.code, 8)  # float32 rows
 
 
 @needs_kernels
@@ -110,6 +118,35 @@ def test_portable_build_matches_too() -> None:
     except Exception as exc:  # a compiler without these flags (not x86)
         pytest.skip(f"no portable x86 build here: {exc}")
     _check_kernel(lib)
+
+
+@needs_kernels
+def test_build_without_avx512_bf16_matches_too() -> None:
+    """AVX2 / AVX-512F without BF16 (an older EPYC): linear_q_bf16 widens the rows for the float kernels."""
+    try:
+        lib = cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=("-mno-avx512bf16",)))
+    except Exception as exc:  # a compiler without this flag (not x86)
+        pytest.skip(f"no such x86 build here: {exc}")
+    assert not lib.has_avx512bf16
+    _check_kernel(lib)
+
+
+def test_bfloat16_decode_rows_through_quantized_linear_match_the_dequantized_weight() -> None:
+    """A bfloat16 model's decode batches (1 to 64 rows) through a quantized Linear: within bfloat16's
+    rounding of the output of the float64 product on the dequantized weight, whichever kernel runs."""
+    generator = torch.Generator().manual_seed(3)
+    for fmt in QUANTIZATIONS:
+        layer = Linear(256, 40, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(40, 256, generator=generator))
+        assert layer.quantize_(fmt)
+        for rows in (1, 3, 4, 8, 32, 64, 200):  # decode batches, a prefill chunk
+            x = torch.randn(rows, 256, generator=generator).bfloat16()
+            y = layer(x)
+            exact = x.double() @ layer.plain_weight().double().T
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 40)
+            # bfloat16's rounding is within 2^-8 of |y| (~16); a wrong panel, pair or scale is off by units
+            assert ((y.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-3).all(), (fmt, rows)
 
 
 def test_linear_holds_only_blocks_and_falls_back_without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,22 +167,24 @@ def test_linear_holds_only_blocks_and_falls_back_without_kernels(monkeypatch: py
 
 
 def test_bfloat16_prefill_rows_multiply_in_bfloat16_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bfloat16 model's prefill (QUANTIZED_GEMV_ROWS rows or more) through quantized blocks: the
-    weight dequantized and rounded to bfloat16 once, the product in bfloat16 on CPUs with native bf16
+    """A bfloat16 model's long prefill chunk (QUANTIZED_BF16_DEQUANT_ROWS rows or more, where the
+    batched kernel runs below it; QUANTIZED_GEMV_ROWS elsewhere) through quantized blocks: the weight
+    dequantized and rounded to bfloat16 once, the product in bfloat16 on CPUs with native bf16
     (elsewhere in float32); either way within bfloat16's rounding of the float64 product."""
     generator = torch.Generator().manual_seed(2)
     layer = Linear(256, 48)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 256, generator=generator))
     assert layer.quantize_("q4_1")
-    x = torch.randn(QUANTIZED_GEMV_ROWS + 3, 256, generator=generator).bfloat16()
+    rows = max(QUANTIZED_GEMV_ROWS, QUANTIZED_BF16_DEQUANT_ROWS) + 3
+    x = torch.randn(rows, 256, generator=generator).bfloat16()
     product_dtypes = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda a, w, b=None: product_dtypes.append(w.dtype) or linear(a, w, b))
     y = layer(x)
     native = cpu_kernels.load() is not None and cpu_kernels.cpu_has_native_bf16()
     assert product_dtypes == [torch.bfloat16 if native else torch.float32]
-    assert y.dtype == torch.bfloat16 and y.shape == (QUANTIZED_GEMV_ROWS + 3, 48)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 48)
     exact = x.double() @ layer.plain_weight().double().T
     # |y| ~ 16 (256 N(0, 1) products): bfloat16 steps there are 0.125; a wrong block or layout is off by units
     assert (y.double() - exact).abs().max().item() < 0.5

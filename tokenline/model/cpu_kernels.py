@@ -124,6 +124,8 @@ class CpuKernels:
         lib.tl_linear_panels_f32.restype = None
         lib.tl_linear_q.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _I]
         lib.tl_linear_q.restype = None
+        lib.tl_linear_q_bf16.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _I]
+        lib.tl_linear_q_bf16.restype = None
         lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
         lib.tl_dequantize_q.restype = None
         lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
@@ -194,6 +196,19 @@ class CpuKernels:
         _check_blocks("linear_q", blocks, code, n, k)
         y = torch.empty((m, n), dtype=torch.float32)
         self._lib.tl_linear_q(code, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    def linear_q_bf16(self, x: torch.Tensor, blocks: torch.Tensor, code: int, n: int) -> torch.Tensor:
+        """``x @ w.T`` in float32 for bfloat16 rows x [M, K] (contiguous, K a multiple of 32), w [n, K]
+        as quantized blocks: with AVX-512 BF16 each panel of 16 weight rows is expanded once into
+        bfloat16 codes and multiplied with every row (vdpbf16ps), so it batches as the bfloat16 kernel
+        does; elsewhere the rows are widened for ``linear_q``'s kernels. Exact products either way."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or blocks.dtype != torch.uint8:
+            raise ValueError("linear_q_bf16 takes contiguous 2-D bfloat16 activations and uint8 blocks")
+        m, k = x.shape
+        _check_blocks("linear_q_bf16", blocks, code, n, k)
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._lib.tl_linear_q_bf16(code, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
     def dequantize_q(self, blocks: torch.Tensor, code: int, n: int, k: int) -> torch.Tensor:
@@ -335,7 +350,7 @@ class CpuKernels:
             )
             return
         self._lib.tl_decode_layer_f32(
-            w.fmt, kv_code, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
+            w.fmt | (BF16_ROWS_FLAG if w.bf16_rows else 0), kv_code, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
             w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
             rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
@@ -367,12 +382,15 @@ def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
     if w.fmt == BF16_PACKED:
         return -(-rows * (2 * hidden + qkv_width + q_width + 3 * w.intermediate) // 2)
     widest = max(hidden, q_width, w.intermediate)
-    return rows * (hidden + qkv_width + q_width + 2 * w.intermediate + widest // BLOCK)
+    # + the rows rounded to bfloat16 (two a float32 value) for DecodeLayerWeights.bf16_rows
+    return rows * (hidden + qkv_width + q_width + 2 * w.intermediate + widest // BLOCK) + -(-rows * widest // 2)
 
 
 # DecodeLayerWeights.fmt of oneDNN's packed bfloat16 tiles: not one of the C TL_W_* codes (those are
 # tl_decode_layer_f32's), since a bfloat16 layer has its own entry point, tl_decode_layer_bf16.
 BF16_PACKED = 3
+# Added to a quantized fmt for tl_decode_layer_f32 (TL_W_BF16_ROWS): DecodeLayerWeights.bf16_rows.
+BF16_ROWS_FLAG = 16
 
 
 @dataclass(frozen=True)
@@ -397,6 +415,9 @@ class DecodeLayerWeights:
     # BF16_PACKED: flat bfloat16 tiles, their (block_n, pairs) in ``blocking``.
     fmt: int = 0
     blocking: torch.Tensor | None = None  # [8] int64: (block_n, pairs) of qkv, o, gate_up, down
+    # Quantized weights of a bfloat16 model: from layers.QUANTIZED_BF16_ROWS rows the projections'
+    # inputs are rounded to bfloat16 (as the model's operators round them) for the batched kernel.
+    bf16_rows: bool = False
 
     def check(self) -> None:
         norms, matrices = (self.input_norm, self.post_norm), (self.qkv, self.o, self.gate_up, self.down)

@@ -44,6 +44,14 @@ QUANTIZED_GEMV_ROWS = 128
 # here, the default model's layer: 5.3 vs 7.0 ms at 64 rows, 18.6 vs 18.3 at 256); from here a
 # prefill chunk multiplies by a transient plain copy with MKL (2048 rows: 114 vs 150 ms, the copy 3.4).
 F32_PANEL_ROWS = 512
+# Quantized weights beside bfloat16 rows, on a CPU with AVX-512 BF16: from this many rows the blocks are
+# expanded once per panel of 16 outputs and multiplied with vdpbf16ps for all rows (tl_linear_q_bf16),
+# below it the float kernel reads them in place (1 thread, the default model's layer: 0.73 vs 0.61 ms
+# at 4 rows, 2.0 vs 4.2 / 5.1 ms (q8_0 / q4_1) at 32; bench/quant_batched.py, docs/benchmarks).
+QUANTIZED_BF16_ROWS = 4
+# ... and up to here (prefill chunks) rather than dequantizing the whole matrix for oneDNN (1 thread, the
+# layer at 128 rows: 6.2 vs 9.0 ms; at 512 even, 22 ms both ways).
+QUANTIZED_BF16_DEQUANT_ROWS = 512
 
 
 class RMSNorm(nn.Module):
@@ -269,7 +277,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32).
+        """Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32;
+        bfloat16 rows from QUANTIZED_BF16_ROWS to QUANTIZED_BF16_DEQUANT_ROWS multiply in bfloat16, exact
+        codes, where the CPU has it).
         More rows, or no kernels: the weight dequantized for the call and a float matrix product, in
         bfloat16 for a bfloat16 model on a CPU with native bf16 (oneDNN, about twice float32's rate
         there; the weight rounded once per call), else in float32."""
@@ -278,6 +288,9 @@ class Linear(nn.Linear):
         flat = x.reshape(-1, self.in_features)
         if self._kernels is None:
             y = F.linear(flat.to(torch.float32), q.dequantize())
+        elif (QUANTIZED_BF16_ROWS <= flat.shape[0] < QUANTIZED_BF16_DEQUANT_ROWS and x.dtype == torch.bfloat16
+              and self._kernels.has_avx512bf16):
+            y = self._kernels.linear_q_bf16(flat.contiguous(), q.blocks, q.code, q.out_features)
         elif flat.shape[0] < QUANTIZED_GEMV_ROWS:
             y = self._kernels.linear_q(flat.to(torch.float32).contiguous(), q.blocks, q.code, q.out_features)
         else:

@@ -51,7 +51,7 @@ class LlamaDecoderLayer(nn.Module):
         quantized = [lin._quantized for lin in linears]
         if any(t.device.type != "cpu" for t in norms):
             return None
-        blocking = None
+        blocking, bf16_rows = None, False
         if all(t.dtype == torch.bfloat16 for t in norms) and all(q is None for q in quantized):
             # A bfloat16 model: the packed tiles our small-batch kernel reads, each with its layout.
             packed = [lin._packed for lin in linears]
@@ -66,6 +66,7 @@ class LlamaDecoderLayer(nn.Module):
                 return None
             norms = tuple(t.float() for t in norms)
             matrices, fmt = [q.blocks for q in quantized], quantized[0].code  # type: ignore[union-attr]
+            bf16_rows = True
         elif all(q is None for q in quantized):
             panels = [lin.float32_panels() for lin in linears]
             if any(t is None for t in panels):
@@ -77,7 +78,8 @@ class LlamaDecoderLayer(nn.Module):
             return None
         ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))
         return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt, blocking)
+                                  attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt, blocking,
+                                  bf16_rows)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -11,7 +11,9 @@ imported from a GGUF these are the file's own blocks: quantizing the dequantized
 reproduces the file's bytes exactly (all 211 of the default model's; tests/model/test_quantization.py
 keeps checking two layers and the embedding), so tokenline serves the same numbers llama.cpp serves
 from that file. The CPU kernel (``tl_linear_q``) reads the blocks in place for a few decode rows and
-expands small tiles for more; only a prefill's many rows dequantize a whole matrix.
+expands small tiles for more; beside bfloat16 rows on a CPU with AVX-512 BF16, ``tl_linear_q_bf16``
+expands each panel of 16 weight rows once into exact bfloat16 codes for every row (decode batches,
+prefill chunks); only a long prefill chunk dequantizes a whole matrix.
 """
 
 from __future__ import annotations

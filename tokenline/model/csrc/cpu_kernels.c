@@ -14,7 +14,8 @@
  * - tl_linear_panels_f32: y = x @ w^T in float32 for up to a few hundred rows, w held in column
  *   panels for an outer-product register tile (faster than MKL's sgemm on the plain weight there).
  * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
- *   read in place and widened to floats in registers.
+ *   read in place and widened to floats in registers; tl_linear_q_bf16: the same for bfloat16 rows,
+ *   each panel of 16 weight rows expanded once to bfloat16 codes for every row (AVX-512 BF16).
  * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
  *   its weights float32 or quantized.
  */
@@ -1956,14 +1957,237 @@ void tl_dequantize_q(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K
     for (int64_t n = 0; n < N; n++) dequantize_blocks(fmt, w + n * nb * bb, out + n * K, nb);
 }
 
+/* ---- Quantized blocks times bfloat16 rows, batched (AVX-512 BF16) ----
+ * The float kernels above widen each block's codes per row group, so their cost grows with the rows
+ * and past a few rows they fell to a quarter of the bfloat16 kernel's speed. Here each thread expands
+ * a panel of 16 weight rows once into an L2-resident tile of bfloat16 *codes* (small integers, exact
+ * in bfloat16), input pairs by column as vdpbf16ps reads them, with the blocks' scales (and Q4_1's
+ * minimums) as 16-lane vectors beside it; then every row of x runs over the tile: per block, 16
+ * vdpbf16ps into a block sum, scaled by the 16 columns' d in one FMA (+ m times the row's block sum
+ * of x for Q4_1). So the weight is what the blocks say, exactly, and x is the bfloat16 rows the model
+ * holds: the same products as the float kernel, summed in another order. */
+#define TL_QB_ROWS 8 /* rows of x per register tile: 8 block sums + 8 accumulators + weight, d, m */
+
+#if defined(__AVX512BF16__)
+/* The 16 x 16 transpose of 32-bit elements (r[j] lane p -> r[p] lane j): a block's 16 rows of 16
+ * code pairs become 16 vectors of one pair for each of the 16 columns. */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+    }
+}
+
+/* A block's 32 codes as bfloat16 integers, in weight order (pair p in 32-bit lane p). */
+static inline __attribute__((always_inline)) __m512i block_codes_bf16(const int fmt, const uint8_t *blk) {
+    if (fmt == TL_W_Q4_1) {
+        /* bytes 0..15 twice as words; the upper copy shifted by 4: the high nibbles, weights 16..31 */
+        const __m512i both = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4))));
+        const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+        const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi16(0x0F));
+        /* bfloat16 of 0..15 (their float32's upper halves), looked up by code */
+        const __m512i lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
+                                             0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+                                             0x4040, 0x4000, 0x3F80, 0x0000);
+        return _mm512_permutexvar_epi16(codes, lut);
+    }
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* Weight rows n0 .. n0 + 16 (zero past N) into tile [nb][16 pairs][16 columns][2] bfloat16 codes,
+ * d [nb][16] and, for Q4_1, mins [nb][16]. */
+static void expand_panel(int fmt, const uint8_t *w, int64_t n0, int64_t N, int64_t nb, uint16_t *tile, float *d,
+                         float *mins) {
+    const int64_t bb = q_block_bytes(fmt), row_bytes = nb * bb;
+    const int cols = N - n0 < 16 ? (int)(N - n0) : 16;
+    const uint8_t *rows[16];
+    for (int j = 0; j < 16; j++) rows[j] = w + (n0 + (j < cols ? j : 0)) * row_bytes; /* past N: any row, masked */
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i r[16];
+        uint16_t dh[16], mh[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *blk = rows[j] + b * bb;
+            r[j] = block_codes_bf16(fmt, blk);
+            memcpy(&dh[j], blk, 2);
+            memcpy(&mh[j], blk + 2, 2);
+        }
+        transpose16_epi32(r);
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(tile + (b * 16 + p) * 32, r[p]);
+        /* the scales as 16-lane vectors; zero for the columns past N, so theirs sum to 0 */
+        const __mmask16 live = (__mmask16)((1u << cols) - 1u);
+        _mm512_storeu_ps(d + b * 16, _mm512_maskz_cvtph_ps(live, _mm256_loadu_si256((const __m256i *)dh)));
+        if (fmt == TL_W_Q4_1)
+            _mm512_storeu_ps(mins + b * 16, _mm512_maskz_cvtph_ps(live, _mm256_loadu_si256((const __m256i *)mh)));
+    }
+}
+
+/* y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= x rows times the expanded panel. */
+static inline __attribute__((always_inline)) void qbf16_rows(const int fmt, const int MT, const uint16_t *x,
+                                                             const float *xs, const uint16_t *tile,
+                                                             const float *d, const float *mins, float *y,
+                                                             int64_t m0, int64_t n0, int64_t N, int64_t K,
+                                                             int accumulate) {
+    const int64_t nb = K / TL_QK;
+    __m512 acc[TL_QB_ROWS], sum[TL_QB_ROWS];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < MT; r++) sum[r] = _mm512_setzero_ps();
+        const uint16_t *t = tile + b * 16 * 32;
+        for (int p = 0; p < 16; p++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(t + p * 32);
+            for (int r = 0; r < MT; r++) {
+                uint32_t pair;
+                memcpy(&pair, x + (m0 + r) * K + b * TL_QK + 2 * p, sizeof pair);
+                sum[r] = _mm512_dpbf16_ps(sum[r], wv, (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+        }
+        const __m512 dv = _mm512_loadu_ps(d + b * 16);
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_fmadd_ps(sum[r], dv, acc[r]);
+        if (fmt == TL_W_Q4_1) {
+            const __m512 mv = _mm512_loadu_ps(mins + b * 16);
+            for (int r = 0; r < MT; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * nb + b]), acc[r]);
+        }
+    }
+    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    for (int r = 0; r < MT; r++) {
+        float *out = y + (m0 + r) * N + n0;
+        __m512 v = acc[r];
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out));
+        _mm512_mask_storeu_ps(out, mask, v);
+    }
+}
+
+#define TL_QB_CASE(F, MT_)                                                                        \
+    case (F) * 16 + (MT_):                                                                        \
+        qbf16_rows(F, MT_, x, xs, tile, d, mins, y, m0, n0, N, K, accumulate);                    \
+        break;
+#define TL_QB_CASES(F) TL_QB_CASE(F, 1) TL_QB_CASE(F, 2) TL_QB_CASE(F, 3) TL_QB_CASE(F, 4) \
+    TL_QB_CASE(F, 5) TL_QB_CASE(F, 6) TL_QB_CASE(F, 7) TL_QB_CASE(F, 8)
+
+/* Returns 0 when a thread's tile could not be allocated (y then holds NaN there). */
+static int linear_q_bf16_avx512(int fmt, const uint16_t *x, const uint8_t *w, float *y, int64_t M, int64_t N,
+                                int64_t K, int accumulate, float *xs) {
+    const int64_t nb = K / TL_QK, panels = (N + 15) / 16;
+    if (fmt == TL_W_Q4_1)
+        for (int64_t i = 0; i < M * nb; i++) { /* the rows' block sums, for the minimums */
+            float s = 0.0f;
+            for (int k = 0; k < TL_QK; k++) s += bf16_to_f32(x[i * TL_QK + k]);
+            xs[i] = s;
+        }
+    int ok = 1;
+#pragma omp parallel
+    {
+        uint16_t *tile = aligned_alloc(64, (size_t)(nb * 16 * 32) * sizeof(uint16_t));
+        float *d = malloc((size_t)(nb * 16 * 2) * sizeof(float));
+        float *mins = d ? d + nb * 16 : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < panels; t++) {
+            const int64_t n0 = t * 16;
+            if (!tile || !d) {
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t j = n0; j < N && j < n0 + 16; j++) y[m * N + j] = NAN;
+                ok = 0;
+                continue;
+            }
+            expand_panel(fmt, w, n0, N, nb, tile, d, mins);
+            /* balanced row tiles of at most TL_QB_ROWS */
+            const int64_t groups = (M + TL_QB_ROWS - 1) / TL_QB_ROWS;
+            for (int64_t m0 = 0, g = 0; m0 < M; g++) {
+                const int mt = (int)((M - m0 + (groups - g) - 1) / (groups - g));
+                switch (fmt * 16 + mt) {
+                    TL_QB_CASES(TL_W_Q4_1)
+                    TL_QB_CASES(TL_W_Q8_0)
+                default: break;
+                }
+                m0 += mt;
+            }
+        }
+        free(tile);
+        free(d);
+    }
+    return ok;
+}
+#undef TL_QB_CASES
+#undef TL_QB_CASE
+#endif
+
+/* y = x @ w^T (or y += with accumulate) for bfloat16 rows x [M, K] and quantized w [N, K], y float32.
+ * xs: M * K / 32 floats of scratch. Without AVX-512 BF16 the rows are widened to float32 and go
+ * through the float kernels (the same products). */
+static void linear_q_bf16(int fmt, const uint16_t *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                          int accumulate, float *xs) {
+#if defined(__AVX512BF16__)
+    linear_q_bf16_avx512(fmt, x, w, y, M, N, K, accumulate, xs);
+#else
+    float *wide = malloc((size_t)(M * K) * sizeof(float));
+    if (!wide) {
+        for (int64_t i = 0; i < M * N; i++) y[i] = NAN; /* never silently wrong */
+        return;
+    }
+    for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(x[i]);
+    if (M > TL_Q_DIRECT_ROWS) {
+        qgemv_tiles(fmt, wide, w, y, M, N, K, accumulate);
+    } else {
+        block_sums(wide, M, K, xs);
+        qgemv(fmt, wide, xs, w, y, M, N, K, accumulate);
+    }
+    free(wide);
+#endif
+}
+
+void tl_linear_q_bf16(int fmt, const uint16_t *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+    float *xs = malloc((size_t)(M * (K / TL_QK)) * sizeof(float) + sizeof(float));
+    if (!xs) {
+        for (int64_t i = 0; i < M * N; i++) y[i] = NAN;
+        return;
+    }
+    linear_q_bf16(fmt, x, w, y, M, N, K, 0, xs);
+    free(xs);
+}
+
 /* A decode layer's projection: float32 panels through panels_f32, quantized blocks through qgemv
- * (the rows' block sums in the layer's scratch). */
+ * (the rows' block sums in the layer's scratch), or with TL_W_BF16_ROWS in fmt (a bfloat16 model's
+ * layer) and enough rows, the rows rounded to bfloat16, as that model's own operators round them, and
+ * multiplied by tl_linear_q_bf16's batched kernel. xb: M * K bfloat16 values of scratch. */
+#define TL_W_BF16_ROWS 16
+#define TL_QB_MIN_ROWS 4 /* layers.QUANTIZED_BF16_ROWS */
 static void layer_linear(int fmt, const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K,
-                         int accumulate, float *xs) {
+                         int accumulate, float *xs, uint16_t *xb) {
     if (fmt == TL_W_F32) {
         panels_f32(x, (const float *)w, y, M, N, K, accumulate);
         return;
     }
+#if defined(__AVX512BF16__)
+    if ((fmt & TL_W_BF16_ROWS) && M >= TL_QB_MIN_ROWS) {
+        for (int64_t i = 0; i < M * K; i++) xb[i] = f32_to_bf16(x[i]);
+        linear_q_bf16(fmt & ~TL_W_BF16_ROWS, xb, (const uint8_t *)w, y, M, N, K, accumulate, xs);
+        return;
+    }
+#else
+    (void)xb;
+#endif
+    fmt &= ~TL_W_BF16_ROWS;
     block_sums(x, M, K, xs);
     qgemv(fmt, x, xs, (const uint8_t *)w, y, M, N, K, accumulate);
 }
@@ -2015,9 +2239,11 @@ void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H,
     float *attn = qkv + M * qkv_width;   /* [M, q_width] */
     float *gate_up = attn + M * q_width; /* [M, 2I], then silu(gate) * up in its first I columns */
     float *xs = gate_up + M * 2 * I;     /* [M, widest K / 32]: block sums for quantized weights */
+    const int64_t widest = H > q_width ? (H > I ? H : I) : (q_width > I ? q_width : I);
+    uint16_t *xb = (uint16_t *)(xs + M * (widest / TL_QK)); /* [M, widest K] bfloat16: TL_W_BF16_ROWS' rows */
 
     rms_norm_f32(x, ln1, h, M, H, eps);
-    layer_linear(wfmt, h, w_qkv, qkv, M, qkv_width, H, 0, xs);
+    layer_linear(wfmt, h, w_qkv, qkv, M, qkv_width, H, 0, xs, xb);
     const int64_t half = Dh / 2;
     for (int64_t m = 0; m < M; m++) {
         const float *c = cos + m * Dh, *s = sin + m * Dh;
@@ -2043,12 +2269,12 @@ void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H,
     }
     tl_decode_attention(TL_FLOAT32, kv_dtype, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
                         Dh, block_size, max_len, scale);
-    layer_linear(wfmt, attn, w_o, x, M, H, q_width, 1, xs);
+    layer_linear(wfmt, attn, w_o, x, M, H, q_width, 1, xs, xb);
 
     rms_norm_f32(x, ln2, h, M, H, eps);
-    layer_linear(wfmt, h, w_gate_up, gate_up, M, 2 * I, H, 0, xs);
+    layer_linear(wfmt, h, w_gate_up, gate_up, M, 2 * I, H, 0, xs, xb);
     silu_mul_f32(gate_up, M, I);
-    layer_linear(wfmt, gate_up, w_down, x, M, H, I, 1, xs);
+    layer_linear(wfmt, gate_up, w_down, x, M, H, I, 1, xs, xb);
 }
 
 /* x = bf16(x + y) for n values: a residual add as torch adds two bfloat16 tensors. */
