@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.messages import RequestTimings, TokenLogprobs
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.request_state import RequestState

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.model.model_store import resolve_model
 from tokenline.sim.calibrate import CalibrationDesign, calibrate
 from tokenline.sim.profile import Profile

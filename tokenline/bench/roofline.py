@@ -547,7 +547,8 @@ class RooflineConfig:
 def run_roofline(config: RooflineConfig, log: Callable[[str], None] = lambda _: None) -> RooflineReport:
     """Measure the machine first (its big buffers are freed before the model loads), then load the
     engine once and time each batch size in turn."""
-    from tokenline.engine.config import EngineConfig, build_engine_core
+    from tokenline.engine.config import EngineConfig
+    from tokenline.engine.factory import build_engine_core
     from tokenline.frontend.tokenizer import Tokenizer
     from tokenline.model.model_store import resolve_model
 

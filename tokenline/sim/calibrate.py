@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.messages import EngineRequest
 from tokenline.model.batch import SampledToken, ScheduledBatch
