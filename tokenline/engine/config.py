@@ -11,8 +11,8 @@ from pathlib import Path
 from collections.abc import Callable, Collection
 from typing import Any
 
-from tokenline.engine.ngram_proposer import check_ngram_settings
-from tokenline.engine.suffix_proposer import check_suffix_settings
+from tokenline.spec_decode.ngram_proposer import check_ngram_settings
+from tokenline.spec_decode.suffix_proposer import check_suffix_settings
 
 GIB = 1 << 30
 # --quantization's values: the formats of tokenline.model.quantization (kept torch-free here for the

@@ -27,13 +27,13 @@ from tokenline.engine.messages import (
     StepRecord,
     TokenLogprobs,
 )
-from tokenline.engine.mtp_proposer import MtpProposer
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
-from tokenline.engine.suffix_proposer import SuffixProposer
 from tokenline.model.batch import Runner, SampledToken, ScheduledBatch
 from tokenline.model.grammar import GrammarCompiler
+from tokenline.spec_decode.mtp_proposer import MtpProposer
+from tokenline.spec_decode.ngram_proposer import NgramProposer
+from tokenline.spec_decode.suffix_proposer import SuffixProposer
 
 MAX_STEP_RECORDS = 10_000  # kept for a caller that drains them rarely (or never): the newest win
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
