@@ -18,9 +18,10 @@ ROOT = Path(tokenline.__file__).parent
 ALLOWED: dict[str, set[str]] = {
     "sampling_params": set(),
     "model": {"sampling_params"},
-    "engine": {"model", "sampling_params", "spec_decode"},
+    "engine": {"model", "sampling_params", "spec_decode", "structured_output"},
+    "structured_output": {"model.host_memory", "sampling_params"},
     "spec_decode": set(),
-    "frontend": {"engine.messages", "model.grammar", "sampling_params"},
+    "frontend": {"engine.messages", "structured_output", "sampling_params"},
     "gateway": {"engine.messages", "model.model_store"},
     "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "router", "sampling_params",
             "__version__"},

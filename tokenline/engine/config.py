@@ -79,7 +79,7 @@ class EngineConfig:
     kv_events_topic: str = ""
     # Structured output: a grammar that has not compiled after this long fails its request.
     grammar_compile_timeout_s: float = 10.0
-    # Memory the compiled grammars may hold (model/grammar.py's estimate), least recently used
+    # Memory the compiled grammars may hold (structured_output/grammar.py's estimate), least recently used
     # evicted first; 0: none is kept after its requests.
     grammar_cache_bytes: int = 256 << 20
     # Threads for the engine's torch ops and kernels (None: torch's default, all cores); with

@@ -30,10 +30,10 @@ from tokenline.engine.messages import (
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
 from tokenline.model.batch import Runner, SampledToken, ScheduledBatch
-from tokenline.model.grammar import GrammarCompiler
 from tokenline.spec_decode.mtp_proposer import MtpProposer
 from tokenline.spec_decode.ngram_proposer import NgramProposer
 from tokenline.spec_decode.suffix_proposer import SuffixProposer
+from tokenline.structured_output.grammar import GrammarCompiler
 
 MAX_STEP_RECORDS = 10_000  # kept for a caller that drains them rarely (or never): the newest win
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0

@@ -33,12 +33,12 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     from tokenline.engine.kv_cache_manager import KVCacheManager
     from tokenline.engine.scheduler import SchedulerConfig
     from tokenline.model.config import ModelConfig
-    from tokenline.model.grammar import GrammarCompiler
     from tokenline.model.loader import resolve_dtype
     from tokenline.model.runner import ModelRunner
     from tokenline.spec_decode.mtp_proposer import MtpProposer
     from tokenline.spec_decode.ngram_proposer import NgramProposer
     from tokenline.spec_decode.suffix_proposer import SuffixProposer
+    from tokenline.structured_output.grammar import GrammarCompiler
 
     config.validate()
     if config.seed is not None:

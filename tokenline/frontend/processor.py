@@ -23,8 +23,8 @@ from tokenline.frontend.thinking import has_thinking_switch, thinking_kwargs
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.frontend.tool_parsers import ToolCallFormat
 from tokenline.frontend.user_text import RenderedChat
-from tokenline.model.grammar import validate as validate_structured_outputs
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
+from tokenline.structured_output.grammar import validate as validate_structured_outputs
 
 
 # Makes the reasoning / tool-call parser of one choice, given its prompt's ids (None: plain text).
