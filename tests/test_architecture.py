@@ -17,20 +17,21 @@ ROOT = Path(tokenline.__file__).parent
 # that module: records shared across a boundary, not the code behind them.
 ALLOWED: dict[str, set[str]] = {
     "sampling_params": set(),
-    "model": {"sampling_params"},
+    "model": {"sampling_params", "store"},
+    "store": set(),
     "engine": {"model", "sampling_params", "spec_decode", "structured_output"},
     "structured_output": {"model.host_memory", "sampling_params"},
     "spec_decode": set(),
     "frontend": {"engine.messages", "structured_output", "sampling_params"},
-    "gateway": {"engine.messages", "model.model_store"},
-    "api": {"gateway", "frontend", "engine", "model.config", "model.model_store", "router", "sampling_params",
+    "gateway": {"engine.messages", "store.model_store"},
+    "api": {"gateway", "frontend", "engine", "model.config", "store.model_store", "router", "sampling_params",
             "__version__"},
     # routing policies and fleet clients: engine records and clients, never a model
     "router": {"engine", "sampling_params"},
-    "llm": {"frontend", "engine", "model.model_store", "sampling_params"},
+    "llm": {"frontend", "engine", "store.model_store", "sampling_params"},
     # bench serve reads /metrics deltas with top's helpers (top imports no tokenline code)
-    "bench": {"engine", "frontend", "llm", "model", "sampling_params", "top"},
-    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
+    "bench": {"engine", "frontend", "llm", "model", "sampling_params", "store", "top"},
+    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args", "store",
             "sim", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape; calibrate measures the machine with bench roofline's probes
@@ -38,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     # cli's table of vLLM serve flags; JSON-object flags are read as the engine's config reads them
-    "serve_args": {"engine.config", "model.model_store"},
+    "serve_args": {"engine.config", "store.model_store"},
     "__init__": {"llm", "sampling_params"},
 }
 

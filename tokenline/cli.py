@@ -281,7 +281,7 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 (none) or more, got {getattr(args, flag)}")
     settings.engine.validate()  # a bad engine flag is one line here, not a dead engine process later
     if settings.engine.speculative == "mtp" and not args.simulate:
-        from tokenline.model.model_store import resolve_model
+        from tokenline.store.model_store import resolve_model
         from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
 
         check_mtp_checkpoint(resolve_model(args.model, progress=False))  # a model without an MTP head: one line
@@ -354,7 +354,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from tokenline.model.config import ModelConfig
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
     from tokenline.model.plan import plan_memory
 
     source = Path(args.model) if args.model else None
@@ -379,7 +379,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     print(resolve_model(args.model))
     return 0
@@ -434,7 +434,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from tokenline.bench.throughput import format_table, repeat_prompts, run_hf, run_tokenline, synthetic_prompts
     from tokenline.frontend.tokenizer import Tokenizer
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -515,7 +515,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_calibrate(args: argparse.Namespace) -> int:
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
     from tokenline.sim.calibrate import calibrate
 
     if args.request_overhead_ms is not None and args.request_overhead_ms < 0:

@@ -20,8 +20,8 @@ from tokenline.engine.messages import RequestTimings, TokenLogprobs
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.request_state import RequestState
 from tokenline.frontend.tokenizer import Tokenizer
-from tokenline.model.model_store import resolve_model
 from tokenline.sampling_params import SamplingParams
+from tokenline.store.model_store import resolve_model
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenline.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, json_object_flag
-from tokenline.model.model_store import DEFAULT_MODEL_NAME
+from tokenline.store.model_store import DEFAULT_MODEL_NAME
 
 WIRED, NO_EFFECT, LIMITED = "wired", "no effect", "limited"
 

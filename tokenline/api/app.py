@@ -26,6 +26,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tokenline import __version__
+from tokenline.api.body_check import reject_invalid_unicode
+from tokenline.api.dashboard import install_dashboard
+from tokenline.api.head_requests import HeadAsGet
+from tokenline.api.http_protocol import ConnectionTimeouts, guarded_protocol
+from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
+from tokenline.api.passthrough import PassthroughServing
 from tokenline.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,20 +44,13 @@ from tokenline.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from tokenline.api.http_protocol import ConnectionTimeouts, guarded_protocol
+from tokenline.api.readiness import ReadinessGate
 from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_protocol import ResponsesRequest
-from tokenline.api.body_check import reject_invalid_unicode
-from tokenline.api.dashboard import install_dashboard
-from tokenline.api.head_requests import HeadAsGet
-from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
-from tokenline.api.passthrough import PassthroughServing
-from tokenline.api.readiness import ReadinessGate
 from tokenline.api.serving import OpenAIServing
 from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.process_client import EngineProcessClient
-from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.reasoning import REASONING_FORMATS
 from tokenline.frontend.text_pool import text_size
@@ -67,10 +66,11 @@ from tokenline.gateway.ledger import PriceTable, UsageLedger, default_ledger_pat
 from tokenline.gateway.live_events import LiveEvents
 from tokenline.gateway.metrics import ServerMetrics, StatsSource
 from tokenline.gateway.rate_limit import make_rate_limiter
-from tokenline.gateway.trace import TraceStore
 from tokenline.gateway.response_store import ResponseStore
+from tokenline.gateway.trace import TraceStore
 from tokenline.model.config import ModelConfig, load_generation_config
-from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
+from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
+from tokenline.store.model_store import DEFAULT_MODEL_NAME, resolve_model
 
 if TYPE_CHECKING:
     from tokenline.router.ray_serve import RayServeSettings

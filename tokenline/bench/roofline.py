@@ -550,7 +550,7 @@ def run_roofline(config: RooflineConfig, log: Callable[[str], None] = lambda _: 
     from tokenline.engine.config import EngineConfig
     from tokenline.engine.factory import build_engine_core
     from tokenline.frontend.tokenizer import Tokenizer
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     config.validate()
     model_dir = resolve_model(config.model)

@@ -416,7 +416,7 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], pr
 def load_tokenizer(tokenizer_dir: str | Path | None) -> Any:
     """The tokenizer in ``tokenizer_dir``, or the default model's."""
     from tokenline.frontend.tokenizer import Tokenizer
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     return Tokenizer.from_dir(tokenizer_dir if tokenizer_dir is not None else resolve_model(None))
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from tokenline.model.model_store import tokenline_home
 from tokenline.model.packed_weight import BlockedLayout
 from tokenline.model.panel_weight import PANEL
 from tokenline.model.quantization import BLOCK, CODE_BLOCK_BYTES
+from tokenline.store.model_store import tokenline_home
 
 log = logging.getLogger(__name__)
 
