@@ -29,7 +29,7 @@ from torch import nn
 from tokenline.bench.serve import percentile
 from tokenline.bench.throughput import synthetic_prompts
 from tokenline.model.config import ModelConfig
-from tokenline.model.registry import model_class
+from tokenline.model.loader import model_class
 
 if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore

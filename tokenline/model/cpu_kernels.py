@@ -442,7 +442,7 @@ class DecodeRows:
 @dataclass(frozen=True)
 class PrefillSpans:
     """A step's prefill spans as the prefill attention kernel reads them, built once per step and
-    shared by every layer (see attention.PrefillSpan)."""
+    shared by every layer (see prefill_attention.PrefillSpan)."""
 
     starts: torch.Tensor  # [S] int64: first row of each span in the flat batch
     num_tokens: torch.Tensor  # [S] int64

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenline.model.config import ModelConfig
-from tokenline.model.registry import model_class
+from tokenline.model.loader import model_class
 
 GIB = 1 << 30
 
