@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
             "sim", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape; calibrate measures the machine with bench roofline's probes
-    "sim": {"bench.multiturn", "bench.roofline", "bench.serve", "engine", "model", "router", "sampling_params"},
+    "sim": {"bench.multiturn", "bench.results", "bench.roofline", "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     # cli's table of vLLM serve flags; JSON-object flags are read as the engine's config reads them

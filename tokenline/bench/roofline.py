@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tokenline.bench.serve import percentile
+from tokenline.bench.results import percentile
 from tokenline.bench.throughput import synthetic_prompts
 from tokenline.model.config import ModelConfig
 from tokenline.model.loader import model_class

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import subprocess
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tokenline.bench.results import RequestResult, percentile, stats_ms
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WORKLOADS = ("random", "multiturn", "dataset")
@@ -84,52 +85,6 @@ class BenchServeConfig:
             raise ValueError("shared_prefix_len must be between 0 and input_len")
         if self.timeout <= 0:
             raise ValueError("timeout must be > 0")
-
-
-@dataclass
-class RequestResult:
-    """What one request produced; times are seconds from ``time.perf_counter()``."""
-
-    prompt_len: int  # the server's usage.prompt_tokens when reported, else the client's count
-    success: bool = False
-    error: str = ""
-    output_tokens: int = 0
-    ttft: float | None = None  # None: no chunk carried output
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    usage_reported: bool = False
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
-    text: str = ""  # the answer, collected only when asked (multiturn feeds it back)
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.success or self.ttft is None or self.output_tokens <= 1:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linearly interpolated between order statistics (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    if not 0 <= q <= 100:
-        raise ValueError("q must be within [0, 100]")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:  # e.g. every request failed: report null rather than a made-up zero
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {
-        "mean": 1000 * sum(values) / len(values),
-        "p50": 1000 * percentile(values, 50),
-        "p90": 1000 * percentile(values, 90),
-        "p99": 1000 * percentile(values, 99),
-    }
 
 
 @dataclass
@@ -535,10 +490,10 @@ async def run_bench_serve(config: BenchServeConfig) -> BenchServeReport:
         total_output_tokens=sum(r.output_tokens for r in ok),
         max_in_flight=max_in_flight,
         usage_reported=sum(r.usage_reported for r in ok),
-        ttft_ms=_stats_ms([r.ttft for r in ok if r.ttft is not None]),
-        tpot_ms=_stats_ms([t for r in ok if (t := r.tpot) is not None]),
-        itl_ms=_stats_ms([x for r in ok for x in r.itl]),
-        e2e_ms=_stats_ms([r.e2e for r in ok]),
+        ttft_ms=stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=stats_ms([t for r in ok if (t := r.tpot) is not None]),
+        itl_ms=stats_ms([x for r in ok for x in r.itl]),
+        e2e_ms=stats_ms([r.e2e for r in ok]),
         workload=config.workload,
         prefix_cache_note=note,
     )
