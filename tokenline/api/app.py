@@ -47,13 +47,14 @@ from tokenline.api.protocol import (
 from tokenline.api.readiness import ReadinessGate
 from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_protocol import ResponsesRequest
-from tokenline.api.serving import OpenAIServing
+from tokenline.api.chat_serving import ChatServing
+from tokenline.api.completion_serving import CompletionServing
 from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.process_client import EngineProcessClient
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.reasoning import REASONING_FORMATS
-from tokenline.frontend.text_pool import text_size
+from tokenline.frontend.text_pool import TextWorkPool, text_size
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.connection_budget import ConnectionBudget, ConnectionLimits
 from tokenline.gateway.door import Door
@@ -232,21 +233,19 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         client = EngineProcessClient(settings.engine, model_dir, tokenizer.vocab_size, settings.engine_restart)
     gateway = build_gateway(settings, client, served_model_name)
     keys, limiter, ledger, metrics = gateway.keys, gateway.limiter, gateway.ledger, gateway.metrics
-    serving = OpenAIServing(
-        client,
-        InputProcessor(
-            tokenizer,
-            load_generation_config(settings.generation_config, model_dir),
-            lambda: serving.max_model_len,
-            reasoning=REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else False,
-            allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
-        ),
-        gateway,
-        served_model_name,
-        model_aliases=model_names[1:],
-        request_timeout=settings.request_timeout,
-        tool_call_parser=settings.tool_call_parser,
+    processor = InputProcessor(
+        tokenizer,
+        load_generation_config(settings.generation_config, model_dir),
+        lambda: serving.max_model_len,
+        reasoning=REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else False,
+        allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
     )
+    # Rendering and tokenizing run off the event loop, bounded, in one pool (frontend/text_pool.py).
+    text_pool = TextWorkPool()
+    serving = ChatServing(client, processor, gateway, served_model_name, text_pool, settings.request_timeout,
+                          model_names[1:], tool_call_parser=settings.tool_call_parser)
+    completion_serving = CompletionServing(client, processor, gateway, served_model_name, text_pool,
+                                           settings.request_timeout, model_names[1:])
     passthrough = _passthrough(settings, client, serving)  # kind=openai upstreams: text forwarded
     # Stored Responses API responses live next to the usage rows, in the ledger's database.
     responses = ResponsesServing(serving, ResponseStore(ledger.path) if ledger is not None else None)
@@ -280,9 +279,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         yield
         await client.shutdown()
         await serving.drain()
+        await completion_serving.drain()
         if passthrough is not None:
             await passthrough.drain()
-        serving.text_pool.close()
+        text_pool.close()
         if ledger is not None:
             ledger.close()
         if limiter is not None:
@@ -406,7 +406,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         gateway.check_limits(0, body.requested_max_tokens, "max_tokens")
         if passthrough is not None:
             return await passthrough.completion(body, request, ctx)
-        return await serving.completion(body, request, ctx)
+        return await completion_serving.completion(body, request, ctx)
 
     @app.post("/v1/responses", responses=success(stream=True))
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
@@ -529,7 +529,7 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     return app
 
 
-def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAIServing) -> PassthroughServing | None:
+def _passthrough(settings: ServerSettings, client: EngineClient, serving: ChatServing) -> PassthroughServing | None:
     """The text pass-through when the upstreams are ``kind=openai``; the prompt reservation counts
     with the local tokenizer when the router was given ``--model``, else bytes/4."""
     from tokenline.router.fleet import FleetClient
