@@ -19,9 +19,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenline.api.chat_serving import ChatServing
 from tokenline.api.response_output import Event, OutputBuilder, new_id, response_usage
 from tokenline.api.responses_protocol import ResponsesRequest
-from tokenline.api.chat_serving import ChatServing
 from tokenline.api.serving import _Generation, _sse, _until_disconnect
 from tokenline.frontend.chat_output import ChatPiece
 from tokenline.frontend.reasoning import THINK_END
