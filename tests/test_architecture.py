@@ -30,7 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     # validating a constraint in the API process, masks in the engine; measures a compile's memory
     "structured_output": {"model.host_memory", "sampling_params"},
     "engine": {"model", "sampling_params", "spec_decode", "structured_output"},
-    "frontend": {"engine.messages", "structured_output", "sampling_params"},
+    # the one context check (engine.context_window) is shared with the engine's guard
+    "frontend": {"engine.context_window", "engine.messages", "structured_output", "sampling_params"},
     "gateway": {"engine.messages", "store.model_store"},
     "api": {"gateway", "frontend", "engine", "model.config", "store.model_store", "router", "sampling_params",
             "__version__"},

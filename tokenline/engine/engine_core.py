@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from tokenline.engine.context_window import completion_overflow, prompt_overflow
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.kv_events import KVCacheEvent
 from tokenline.engine.messages import (
@@ -81,23 +82,20 @@ class EngineCore:
 
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ``RequestRejected`` if it could never complete."""
+        # The request processor has checked the request already (frontend/processor.py); this is
+        # for requests handed to the engine directly, with the same check and messages.
         num_prompt = len(engine_request.prompt_token_ids)
         if num_prompt == 0:
             raise RequestRejected("prompt", "the prompt is empty")
-        room = self.max_model_len - num_prompt
-        if room <= 0:
-            raise RequestRejected(
-                "prompt",
-                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens",
-            )
+        overflow = prompt_overflow(num_prompt, self.max_model_len)
+        if overflow is not None:
+            raise RequestRejected("prompt", overflow)
         requested = engine_request.sampling.max_tokens
-        if requested is not None and requested > room:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({requested}) exceeds the model's context "
-                f"of {self.max_model_len} tokens",
-            )
-        max_tokens = room if requested is None else requested
+        max_tokens = self.max_model_len - num_prompt if requested is None else requested
+        overflow = completion_overflow(num_prompt, max_tokens, self.max_model_len)
+        if overflow is not None:
+            raise RequestRejected("max_tokens", overflow)
+        # What only the engine knows: the pool.
         pool_tokens = self.kv_cache.pool.num_blocks * self.kv_cache.block_size
         if num_prompt + max_tokens > pool_tokens:
             raise RequestRejected(
