@@ -37,6 +37,7 @@ from tokenline.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenline.api.readiness import ReadinessGate
 from tokenline.api.responses import ResponsesServing
 from tokenline.api.responses_routes import responses_router
+from tokenline.api.serving import ServingDeps
 from tokenline.engine.client import EngineClient, RestartPolicy
 from tokenline.engine.config import EngineConfig
 from tokenline.engine.process_client import EngineProcessClient
@@ -230,10 +231,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
     )
     # Rendering and tokenizing run off the event loop, bounded, in one pool (frontend/text_pool.py).
     text_pool = TextWorkPool()
-    serving = ChatServing(client, processor, gateway, served_model_name, text_pool, settings.request_timeout,
-                          model_names[1:], tool_call_parser=settings.tool_call_parser)
-    completion_serving = CompletionServing(client, processor, gateway, served_model_name, text_pool,
-                                           settings.request_timeout, model_names[1:])
+    deps = ServingDeps(client, processor, gateway, served_model_name, text_pool, settings.request_timeout,
+                       model_names[1:])
+    serving = ChatServing(deps, tool_call_parser=settings.tool_call_parser)
+    completion_serving = CompletionServing(deps)
     passthrough = _passthrough(settings, client, serving)  # kind=openai upstreams: text forwarded
     # Stored Responses API responses live next to the usage rows, in the ledger's database.
     responses = ResponsesServing(serving, ResponseStore(ledger.path) if ledger is not None else None)

@@ -4,7 +4,7 @@ deltas. The machinery chat shares with text completions is ``serving.OpenAIServi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -27,34 +27,30 @@ from tokenline.api.protocol import (
     TokenizeRequest,
     ToolCallItem,
 )
-from tokenline.api.serving import OpenAIServing, _Generation, _note_deprecated, _sse, _token_id_name, _until_disconnect
-from tokenline.engine.client import EngineClient
+from tokenline.api.serving import (
+    OpenAIServing,
+    ServingDeps,
+    _Generation,
+    _note_deprecated,
+    _sse,
+    _token_id_name,
+    _until_disconnect,
+)
 from tokenline.engine.messages import TokenLogprobs
-from tokenline.frontend.processor import InputProcessor
 from tokenline.frontend.request_state import SequenceState, SequenceUpdate
-from tokenline.frontend.text_pool import INLINE_MAX_CHARS, TextWorkPool, text_size
+from tokenline.frontend.text_pool import INLINE_MAX_CHARS, text_size
 from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START
 from tokenline.frontend.tool_grammar import tool_call_grammar
 from tokenline.frontend.tool_parsers import HERMES, tool_call_format
 from tokenline.gateway.errors import APIError
-from tokenline.gateway.gateway import Gateway, RequestContext
+from tokenline.gateway.gateway import RequestContext
 from tokenline.sampling_params import SamplingParamsError
 
 
 class ChatServing(OpenAIServing):
-    def __init__(
-        self,
-        client: EngineClient,
-        processor: InputProcessor,
-        gateway: Gateway,
-        served_model_name: str,
-        text_pool: TextWorkPool,
-        request_timeout: float | None = None,
-        model_aliases: Sequence[str] = (),
-        tool_call_parser: str | None = None,
-    ) -> None:
+    def __init__(self, deps: ServingDeps, tool_call_parser: str | None = None) -> None:
         """``tool_call_parser``: the ``--tool-call-parser`` name (None: tools are refused)."""
-        super().__init__(client, processor, gateway, served_model_name, text_pool, request_timeout, model_aliases)
+        super().__init__(deps)
         self.tool_call_parser = tool_call_parser
         self.tool_format = tool_call_format(tool_call_parser) if tool_call_parser else None
 

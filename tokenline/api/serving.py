@@ -73,32 +73,35 @@ class _Generation:
         return UsageInfo.of(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
+@dataclass(frozen=True)
+class ServingDeps:
+    """What every serving class is built on. ``served_model_name`` is the name responses report;
+    requests may also name one of ``model_aliases``. ``text_pool``: the process's one pool for
+    rendering and tokenizing off the event loop (frontend/text_pool.py)."""
+
+    client: EngineClient
+    processor: InputProcessor
+    gateway: Gateway
+    served_model_name: str
+    text_pool: TextWorkPool
+    request_timeout: float | None = None
+    model_aliases: Sequence[str] = ()
+
+
 class OpenAIServing:
     """What chat and text completions share (``ChatServing``, ``CompletionServing``): the checks, the
     sampling parameters, starting a generation, consuming its updates, the receipt and the SSE frame."""
 
-    def __init__(
-        self,
-        client: EngineClient,
-        processor: InputProcessor,
-        gateway: Gateway,
-        served_model_name: str,
-        text_pool: TextWorkPool,
-        request_timeout: float | None = None,
-        model_aliases: Sequence[str] = (),
-    ) -> None:
-        """``served_model_name`` is the name responses report; requests may also name an alias.
-        ``text_pool``: the process's one pool for rendering and tokenizing off the event loop
-        (frontend/text_pool.py), shared by every serving class."""
-        self.client = client
-        self.processor = processor
-        self.tokenizer: Tokenizer = processor.tokenizer
-        self.gateway = gateway
-        self.served_model_name = served_model_name
-        self.model_names = frozenset([served_model_name, *model_aliases])
-        self.request_timeout = request_timeout
+    def __init__(self, deps: ServingDeps) -> None:
+        self.client = deps.client
+        self.processor = deps.processor
+        self.tokenizer: Tokenizer = deps.processor.tokenizer
+        self.gateway = deps.gateway
+        self.served_model_name = deps.served_model_name
+        self.model_names = frozenset([deps.served_model_name, *deps.model_aliases])
+        self.request_timeout = deps.request_timeout
+        self.text_pool = deps.text_pool
         self._background: set[asyncio.Task[None]] = set()
-        self.text_pool = text_pool
 
     async def drain(self, timeout: float = 15.0) -> None:
         """Let receipts still being written in the background finish (at shutdown)."""
