@@ -43,8 +43,8 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
             "sim", "store", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
-    # reported in bench serve's shape; calibrate measures the machine with bench roofline's probes
-    "sim": {"bench.multiturn", "bench.results", "bench.roofline", "bench.serve", "engine", "model", "router",
+    # reported in bench serve's shape; calibrate measures the machine with bench's machine probes
+    "sim": {"bench.machine_probes", "bench.multiturn", "bench.prompts", "bench.results", "bench.serve", "engine", "model", "router",
             "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},

@@ -93,7 +93,7 @@ def machine_info(device: str) -> dict[str, object]:
 def measure_roofline(dtype: object, bandwidth_bytes: int = 512 << 20, matmul_size: int = 1024) -> dict[str, float]:
     """This machine's memory bandwidth and matmul peak at ``dtype``, with the threads the fit ran on:
     the denominators of the what-ifs' roofline ratio (a few seconds; ``bench roofline`` measures longer)."""
-    from tokenline.bench.roofline import measure_bandwidth, measure_matmul_gflops
+    from tokenline.bench.machine_probes import measure_bandwidth, measure_matmul_gflops
 
     return {
         "memory_bandwidth_gbps": measure_bandwidth(bandwidth_bytes, repeats=3).gb_per_s,

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenline.bench.results import RequestResult, stats_ms
-from tokenline.bench.serve import BenchServeReport, make_prompts
+from tokenline.bench.prompts import make_prompts
+from tokenline.bench.results import BenchServeReport, RequestResult, stats_ms
 from tokenline.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
