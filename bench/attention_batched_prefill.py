@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from tokenline.model import prefill_attention
-from tokenline.model.attention import AttentionMetadata, PrefillSpan, paged_attention
+from tokenline.model.attention import AttentionMetadata, paged_attention
+from tokenline.model.prefill_attention import PrefillSpan
 
 SHAPES = {  # (query heads, KV heads, head dim)
     "tiny": (4, 2, 32),

@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 import torch.nn.functional as F
 
+from tokenline.bench.machine_probes import measure_bandwidth
 from tokenline.bench.roofline import (
     cpu_sample,
-    measure_bandwidth,
     others_cpu_share,
     parse_size,
 )

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from tokenline.model.batch import ScheduledBatch, ScheduledSeq
-from tokenline.model.model_store import resolve_model
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import SamplingParams
+from tokenline.store.model_store import resolve_model
 
 BLOCK_SIZE = 16
 

@@ -40,7 +40,8 @@ from typing import Any
 
 import httpx
 
-from tokenline.bench.serve import BenchServeConfig, BenchServeReport, ServerNotReady, run_bench_serve
+from tokenline.bench.results import BenchServeReport
+from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve
 from tokenline.bench.serve import wait_healthy as bench_wait_healthy
 
 POLICIES = ("round_robin", "least_load", "prefix", "kv_events")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from tokenline.model.attention import PrefillSpan  # noqa: E402
+from tokenline.model.prefill_attention import PrefillSpan  # noqa: E402
 from tokenline.model.config import ModelConfig  # noqa: E402
 from tokenline.model.gated_deltanet import GatedDeltaNet  # noqa: E402
 

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 import torch
 import torch.nn.functional as F
 
-from tokenline.bench.roofline import measure_bandwidth, measure_matmul_gflops, roofline_bound
+from tokenline.bench.machine_probes import measure_bandwidth, measure_matmul_gflops
+from tokenline.bench.roofline import roofline_bound
 from tokenline.model import cpu_kernels, panel_weight
 
 

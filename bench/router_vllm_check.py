@@ -419,7 +419,7 @@ def main() -> int:
         print(f"no vLLM venv at {args.vllm_venv}: run bench/peers/install_vllm.sh", file=sys.stderr)
         return 2
     if args.model_dir is None:
-        from tokenline.model.model_store import resolve_model
+        from tokenline.store.model_store import resolve_model
         args.model_dir = str(resolve_model(None, progress=False))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="router-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)

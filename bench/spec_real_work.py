@@ -54,8 +54,9 @@ METHODS: dict[str, list[str]] = {
     "ngram": ["--speculative", "ngram"],
     "suffix": ["--speculative", "suffix"],
 }
-SOURCES = ["tokenline/engine/ngram_proposer.py", "tokenline/engine/mtp_proposer.py", "tokenline/bench/serve.py",
-           "tokenline/engine/config.py", "tokenline/engine/block_pool.py", "tokenline/engine/kv_cache_manager.py"]
+SOURCES = ["tokenline/spec_decode/ngram_proposer.py", "tokenline/spec_decode/mtp_proposer.py", "tokenline/bench/serve.py",
+           "tokenline/engine/config.py", "tokenline/engine/factory.py", "tokenline/engine/block_pool.py",
+           "tokenline/engine/kv_cache_manager.py"]
 STOPS = {"code-edit": ["```"], "quotes": ["\n\n"]}
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")

@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model (SmolLM2-135M-Instruct) imported into tokenline's format, imported once."""
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     return resolve_model(None, progress=False)
 

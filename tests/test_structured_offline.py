@@ -18,9 +18,9 @@ from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.sampling_params import StructuredOutputs
+from tokenline.spec_decode.ngram_proposer import NgramProposer
 
 MAX_TOKENS = 160
 

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import TinyQwen3_5
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.llm import LLM
-from tokenline.model.model_store import resolve_model
+from tokenline.store.model_store import resolve_model
 from tokenline.trace_walk import Trace, load_prices, render, walk
 
 QUESTION = "What is the capital of France?"

@@ -140,7 +140,7 @@ def serve_settings_from_args(args: argparse.Namespace) -> tuple[ServerSettings, 
     settings.engine.validate()  # a bad engine flag is one line here, not a dead engine process later
     simulate = getattr(args, "simulate", None)  # serve's alone, as --ray's flags
     if settings.engine.speculative == "mtp" and not simulate:
-        from tokenline.model.model_store import resolve_model
+        from tokenline.store.model_store import resolve_model
         from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
 
         check_mtp_checkpoint(resolve_model(args.model, progress=False))  # a model without an MTP head: one line
@@ -193,7 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from tokenline.model.config import ModelConfig
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
     from tokenline.model.plan import plan_memory
 
     if args.accelerator is not None:
@@ -217,7 +217,7 @@ def cmd_plan_fleet(args: argparse.Namespace) -> int:
     """``plan --accelerator``: a fleet from a traffic forecast (sim/fleet_plan.py)."""
     import json
 
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
     from tokenline.sim.fleet_plan import DEFAULT_DAILY_CURVE, Forecast, PlanError, Slo, plan_fleet, users_to_rps
     from tokenline.sim.machine import MachineError, load_machine
     from tokenline.sim.plan_plot import write_plan_html
@@ -264,7 +264,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     print(resolve_model(args.model))
     return 0
@@ -319,7 +319,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from tokenline.bench.throughput import format_table, repeat_prompts, run_hf, run_tokenline, synthetic_prompts
     from tokenline.frontend.tokenizer import Tokenizer
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -400,7 +400,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_calibrate(args: argparse.Namespace) -> int:
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
     from tokenline.sim.calibrate import calibrate
     from tokenline.sim.calibration_load import CalibrationUnderLoad, LoadPolicy
 

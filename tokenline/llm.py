@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.messages import RequestTimings, TokenLogprobs
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.request_state import RequestState
 from tokenline.frontend.tokenizer import Tokenizer
-from tokenline.model.model_store import resolve_model
 from tokenline.sampling_params import SamplingParams
+from tokenline.store.model_store import resolve_model
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]

@@ -596,7 +596,8 @@ PREFILL_BOUND_CODE = '''
 import json, sys
 from pathlib import Path
 import torch
-from tokenline.bench.roofline import matmul_params_from_config, measure_matmul_gflops
+from tokenline.bench.machine_probes import measure_matmul_gflops
+from tokenline.bench.roofline import matmul_params_from_config
 from tokenline.model.config import ModelConfig
 config = ModelConfig.from_dir(Path(sys.argv[1]))
 peak = float(sys.argv[2]) if sys.argv[2] != "measure" else measure_matmul_gflops(torch.bfloat16)

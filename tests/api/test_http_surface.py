@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -30,9 +31,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
         yield client, admin
 
 
+def _routes(routes: list[Any]) -> Iterator[Any]:
+    """Routes, those of included routers (FastAPI keeps each as one entry) among them."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        yield from _routes(included.routes) if included is not None else [route]
+
+
 def get_paths(client: TestClient) -> list[str]:
     """Every route of the app that answers GET, its path parameters filled in."""
-    paths = [r.path for r in client.app.routes if isinstance(r, Route) and "GET" in (r.methods or ())]
+    paths = [r.path for r in _routes(client.app.routes) if isinstance(r, Route) and "GET" in (r.methods or ())]
     return [re.sub(r"\{(\w+)(:\w+)?\}", lambda m: PARAMS[m.group(1)], p) for p in paths]
 
 

@@ -18,14 +18,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenline.bench.serve import (
-    BenchServeConfig,
-    BenchServeReport,
-    make_prompts,
-    ordinary_token_ids,
-    percentile,
-    run_bench_serve,
-)
+from tokenline.bench.prompts import make_prompts, ordinary_token_ids
+from tokenline.bench.results import BenchServeReport, percentile
+from tokenline.bench.serve import BenchServeConfig, run_bench_serve
 from tokenline.cli import main as cli_main
 
 FIRST_DELAY = 0.2  # seconds before the first token

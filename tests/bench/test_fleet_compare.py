@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.bench.scripts import load_bench_script
-from tokenline.bench.serve import BenchServeReport
+from tokenline.bench.results import BenchServeReport
 
 
 @pytest.fixture(scope="module")

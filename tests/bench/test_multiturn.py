@@ -25,7 +25,8 @@ from tokenline.bench.prefix_cache import (
     parse_prefix_counters,
     parse_upstream_counters,
 )
-from tokenline.bench.serve import BenchServeConfig, RequestResult, run_bench_serve
+from tokenline.bench.results import RequestResult
+from tokenline.bench.serve import BenchServeConfig, run_bench_serve
 from tokenline.cli import main as cli_main
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tokenline.bench import neighbour_cpu as nc
-from tokenline.bench.serve import BenchServeReport
+from tokenline.bench.results import BenchServeReport
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peers" / "compare.py"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -206,7 +206,7 @@ def test_interval_must_be_a_multiple_of_the_block_size() -> None:
 
 
 def test_build_engine_sizes_the_checkpoint_pool(llm: LLM, tmp_path: Path) -> None:
-    from tokenline.engine.config import build_engine_core
+    from tokenline.engine.factory import build_engine_core
 
     engine = build_engine_core(EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=64,
                                             hybrid_state_checkpoints=5), llm.model_dir)

@@ -21,11 +21,11 @@ from tokenline import LLM, SamplingParams
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import StructuredOutputs
+from tokenline.spec_decode.ngram_proposer import NgramProposer
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -14,7 +14,8 @@ import pytest
 
 from tests.engine.test_kv_events import free_port
 from tokenline.engine.block_pool import hash_block
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.core_process import run_engine_process
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, CachedBlockIndex, KVCacheEvent

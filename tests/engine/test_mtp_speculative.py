@@ -25,12 +25,13 @@ import torch
 
 from tests.conftest import TinyQwen3_5
 from tokenline import LLM, SamplingParams
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
 from tokenline.engine.engine_core import EngineCore
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.kv_cache_manager import KVCacheManager
-from tokenline.engine.mtp_proposer import MtpProposer
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.model.batch import SampledToken, ScheduledSeq, num_accepted_drafts
+from tokenline.spec_decode.mtp_proposer import MtpProposer
 
 MAX_TOKENS = 12
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tokenline.engine.ngram_proposer import NgramProposer
+from tokenline.spec_decode.ngram_proposer import NgramProposer
 
 
 def propose(ids: list[int], k: int = 4, min_n: int = 2, max_n: int = 4, max_drafts: int = 100) -> list[int]:

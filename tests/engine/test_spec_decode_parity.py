@@ -13,9 +13,9 @@ from tokenline import LLM, SamplingParams
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import SchedulerConfig
-from tokenline.engine.suffix_proposer import SuffixProposer
+from tokenline.spec_decode.ngram_proposer import NgramProposer
+from tokenline.spec_decode.suffix_proposer import SuffixProposer
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

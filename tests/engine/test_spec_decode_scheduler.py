@@ -13,9 +13,9 @@ from tokenline.engine.config import EngineConfig
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineOutput, EngineRequest, FinishReason
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.scheduler import DRAFTS_WITHIN_FUSED_MIN_DECODES, SchedulerConfig
 from tokenline.sampling_params import SamplingParams
+from tokenline.spec_decode.ngram_proposer import NgramProposer
 
 EOS = 0
 # A prompt whose tail [5, 6] occurred before, followed by 7, 8, 9, 10: the proposer drafts those.

@@ -15,8 +15,8 @@ from tokenline.engine.engine_core import EngineCore, RequestRejected
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest, FinishReason
 from tokenline.engine.scheduler import SchedulerConfig
-from tokenline.model.grammar import CompiledGrammar, GrammarCompiler
 from tokenline.sampling_params import SamplingParams, StructuredOutputs
+from tokenline.structured_output.grammar import CompiledGrammar, GrammarCompiler
 
 EOS = 2
 

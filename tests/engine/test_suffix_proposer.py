@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tokenline.engine.suffix_proposer import SuffixProposer, SuffixTree, check_suffix_settings
+from tokenline.spec_decode.suffix_proposer import SuffixProposer, SuffixTree, check_suffix_settings
 
 
 def brute_counts(tokens: list[int], depth: int) -> dict[tuple[int, ...], int]:

@@ -24,7 +24,8 @@ torch.set_num_threads(1)
 from tokenline.model import host_memory
 if sys.argv[2] == "glibc-defaults":
     host_memory.retain_freed_memory = lambda: False
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.messages import EngineRequest
 from tokenline.sampling_params import SamplingParams
 core = build_engine_core(EngineConfig(dtype="float32", enable_prefix_caching=False, num_kv_blocks=72,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tokenline.model import prefill_attention
-from tokenline.model.attention import AttentionMetadata, PrefillSpan, paged_attention
-from tokenline.model.prefill_attention import batches_prefills
+from tokenline.model.attention import AttentionMetadata, paged_attention
+from tokenline.model.prefill_attention import PrefillSpan, batches_prefills
 
 BLOCK_SIZE = 4
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenline.model import cpu_kernels
-from tokenline.model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_spans
+from tokenline.model.attention import AttentionMetadata, paged_attention, prefill_spans
+from tokenline.model.prefill_attention import PrefillSpan
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")

@@ -13,9 +13,9 @@ import torch
 from tokenline.llm import LLM
 from tokenline.model import cpu_kernels
 from tokenline.model.layers import QUANTIZED_BF16_DEQUANT_ROWS, QUANTIZED_GEMV_ROWS, Linear, QuantizedEmbedding
-from tokenline.model.model_store import default_gguf_path
 from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, QuantizedWeight, quantize
 from tokenline.sampling_params import SamplingParams
+from tokenline.store.model_store import default_gguf_path
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")

@@ -12,7 +12,7 @@ from tests.model.test_qwen3_5 import BLOCK_SIZE, Seq, Step
 from tokenline.model.config import ModelConfig
 from tokenline.model.qwen3 import Qwen3ForCausalLM
 from tokenline.model.random_models import make_qwen3_tiny
-from tokenline.model.weights import iter_safetensors
+from tokenline.model.weights import iter_safetensors, load_packed_weights
 
 NUM_BLOCKS = 128
 
@@ -29,7 +29,7 @@ def test_prefill_and_decode_match_reference(model_dir: Path) -> None:
 
     config = ModelConfig.from_dir(model_dir)
     model = Qwen3ForCausalLM(config)
-    model.load_weights(iter_safetensors(model_dir))
+    load_packed_weights(model, iter_safetensors(model_dir))
     model.eval()
     reference: Any = HFQwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from tests.conftest import TinyQwen3_5
-from tokenline.model.attention import AttentionMetadata, PrefillSpan
+from tokenline.model.attention import AttentionMetadata
+from tokenline.model.prefill_attention import PrefillSpan
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_recurrent
 from tokenline.model.qwen3_5 import Qwen3_5ForCausalLM
 from tokenline.model.random_models import QWEN3_5_VOCAB_SIZE
 from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
-from tokenline.model.weights import iter_safetensors
+from tokenline.model.weights import iter_safetensors, load_packed_weights
 from tokenline.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4  # small, so that every sequence spans several blocks
@@ -47,7 +48,7 @@ def reference(model_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def model(model_dir: Path) -> Qwen3_5ForCausalLM:
     ours = Qwen3_5ForCausalLM(ModelConfig.from_dir(model_dir))
-    ours.load_weights(iter_safetensors(model_dir))
+    load_packed_weights(ours, iter_safetensors(model_dir))
     return ours.to(torch.float32).eval()
 
 

@@ -14,6 +14,7 @@ from tokenline.model import registry
 from tokenline.model.config import ModelConfig
 from tokenline.model.interface import CausalLM
 from tokenline.model.layers import MergedLinear
+from tokenline.model.loader import model_class
 
 # Tiny configs with every key each architecture reads (Qwen3.5: 3 DeltaNet layers, then full attention).
 LLAMA = {
@@ -48,7 +49,7 @@ def test_unknown_architecture_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"\['GPT2LMHeadModel'\] is not supported \(supported: .*LlamaForCausalLM"):
         ModelConfig.from_dict({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
-        registry.model_class("gpt2")
+        model_class("gpt2")
 
 
 def test_first_supported_architecture_wins() -> None:
@@ -63,7 +64,8 @@ def test_resolving_one_architecture_imports_no_other_model() -> None:
         "from tokenline.model.config import ModelConfig\n"
         "from tokenline.model import registry\n"
         "assert 'torch' not in sys.modules, 'reading the table must not need torch'\n"
-        "registry.model_class('LlamaForCausalLM')\n"
+        "from tokenline.model.loader import model_class\n"
+        "model_class('LlamaForCausalLM')\n"
         "loaded = [m for m in ('qwen3', 'qwen3_5', 'gated_deltanet') if f'tokenline.model.{m}' in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
@@ -73,7 +75,7 @@ def test_resolving_one_architecture_imports_no_other_model() -> None:
 
 @pytest.mark.parametrize("architecture", sorted(TINY_CONFIGS))
 def test_every_architecture_implements_the_interface(architecture: str) -> None:
-    cls = registry.model_class(architecture)
+    cls = model_class(architecture)
     assert issubclass(cls, CausalLM) and not inspect.isabstract(cls)
     config = tiny_config(architecture)
     model = cls(config)
@@ -87,7 +89,7 @@ def test_every_architecture_implements_the_interface(architecture: str) -> None:
 def test_cache_sizes_from_the_config_are_the_cache_tensors(architecture: str) -> None:
     # The memory plan and the engine size the pool with the classmethods, from the config alone.
     config = tiny_config(architecture)
-    cls = registry.model_class(architecture)
+    cls = model_class(architecture)
     with torch.device("meta"):
         model = cls(config)
     num_blocks, block_size, num_slots = 3, 4, 5

@@ -9,7 +9,7 @@ import torch
 
 from tokenline.model.config import ModelConfig
 from tokenline.model.llama import LlamaForCausalLM
-from tokenline.model.weights import route
+from tokenline.model.weights import load_packed_weights, route
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_route_matches_whole_name_parts() -> None:
 def test_packed_shards_land_in_order(checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     config, state = checkpoint
     model = LlamaForCausalLM(config)
-    model.load_weights(state.items())
+    load_packed_weights(model, state.items())
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     q, k, v = attn.qkv_proj.weight.split([32, 16, 16])
     assert torch.equal(q, state["model.layers.1.self_attn.q_proj.weight"])
@@ -55,24 +55,24 @@ def test_a_missing_shard_is_named(checkpoint: tuple[ModelConfig, dict[str, torch
     config, state = checkpoint
     del state["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match=r"missing weights: \['layers.0.self_attn.qkv_proj.weight\[shard 1\]'\]"):
-        LlamaForCausalLM(config).load_weights(state.items())
+        load_packed_weights(LlamaForCausalLM(config), state.items())
 
 
 def test_unexpected_or_misshapen_weights_are_errors(checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     config, state = checkpoint
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.9.mlp.up_proj.weight'"):
         extra = ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))
-        LlamaForCausalLM(config).load_weights([*state.items(), extra])
+        load_packed_weights(LlamaForCausalLM(config), [*state.items(), extra])
     state["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(8, 32)
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.v_proj.weight' has shape \(8, 32\), expected \(16, 32\)"):
-        LlamaForCausalLM(config).load_weights(state.items())
+        load_packed_weights(LlamaForCausalLM(config), state.items())
 
 
 def test_no_lm_head_in_the_checkpoint_means_tied(checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     config, state = checkpoint
     del state["lm_head.weight"]
     model = LlamaForCausalLM(config)
-    model.load_weights(state.items())
+    load_packed_weights(model, state.items())
     assert model.lm_head.weight is model.embed_tokens.weight
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenline.model.model_store import resolve_model
+from tokenline.store.model_store import resolve_model
 from tokenline.sim.accelerator import AcceleratorStepModel, accelerator_cost
 from tokenline.sim.machine import MachineError, builtin_machines, load_machine
 from tokenline.sim.profile import Profile

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenline.engine.config import EngineConfig, build_engine_core
-from tokenline.model.model_store import resolve_model
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.sim.calibrate import CalibrationDesign, calibrate
 from tokenline.sim.calibration_load import LoadPolicy
 from tokenline.sim.profile import Profile
 from tokenline.sim.simulate import SimConfig, report, run_closed_loop, simulate, workload_prompts
 from tokenline.sim.step_model import StepFeatures
+from tokenline.store.model_store import resolve_model
 
 TINY = CalibrationDesign(prefill_lens=(16, 64, 160), context_lens=(16, 96), decode_batches=(1, 4),
                          decode_steps=4, repeats=1, max_seconds=20.0, followups=((64, 16),))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tokenline.cli import main
-from tokenline.model.model_store import resolve_model
+from tokenline.store.model_store import resolve_model
 from tokenline.sim.calibrate import CalibrationDesign, calibrate
 from tokenline.sim.calibration_load import CalibrationUnderLoad, LoadPolicy
 from tokenline.sim.profile import Profile

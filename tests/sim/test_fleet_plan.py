@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenline.cli import main
-from tokenline.model.registry import model_class
+from tokenline.model.loader import model_class
 from tokenline.sim.accelerator import accelerator_cost
 from tokenline.sim.fleet_plan import Forecast, PlanError, Slo, build_replica, plan_fleet, users_to_rps
 from tokenline.sim.machine import load_machine

@@ -83,7 +83,7 @@ def test_cli_writes_bench_serve_fields_and_refuses_bad_input(tmp_path: Path, cap
     assert main(["simulate", "--profile", str(tmp_path / "bad.json")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert main(["simulate", "--profile", str(path), "--input-len", "5000"]) == 2
-    assert "context is 4096 tokens" in capsys.readouterr().err
+    assert "maximum context length is 4096 tokens" in capsys.readouterr().err  # the one context message
     assert main(["simulate", "--profile", str(path), "--concurrency", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
 

@@ -25,7 +25,7 @@ HERE = {"memory_bandwidth_gbps": 8.0, "matmul_gflops": 47.0}
 
 @pytest.fixture(scope="module")
 def profile() -> Profile:
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     config = json.loads((resolve_model(None, progress=False) / "config.json").read_text())
     return Profile(step_model=StepModel(a=0.040, b=0.003, c=0.012, d=7e-6), model="small", dtype="float32",

@@ -10,66 +10,56 @@ the probes and /metrics answers 503 (``readiness.py``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi import Depends, FastAPI
 
 from tokenline import __version__
-from tokenline.api.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
-from tokenline.api.http_protocol import ConnectionTimeouts, guarded_protocol
-from tokenline.api.responses import ResponsesServing
-from tokenline.api.responses_protocol import ResponsesRequest
+from tokenline.api.admin_routes import admin_router
 from tokenline.api.body_check import reject_invalid_unicode
+from tokenline.api.chat_serving import ChatServing
+from tokenline.api.completion_serving import CompletionServing
 from tokenline.api.dashboard import install_dashboard
 from tokenline.api.head_requests import HeadAsGet
-from tokenline.api.openapi_doc import ERROR_RESPONSES, HealthStatus, install_openapi, success
+from tokenline.api.http_protocol import ConnectionTimeouts, guarded_protocol
+from tokenline.api.observability_routes import observability_router
+from tokenline.api.openai_routes import openai_router
+from tokenline.api.openapi_doc import ERROR_RESPONSES, install_openapi
 from tokenline.api.passthrough import PassthroughServing
+from tokenline.api.protocol import ChatCompletionRequest, CompletionRequest
 from tokenline.api.readiness import ReadinessGate
-from tokenline.api.serving import OpenAIServing
+from tokenline.api.responses import ResponsesServing
+from tokenline.api.responses_routes import responses_router
+from tokenline.api.serving import ServingDeps
 from tokenline.engine.client import EngineClient
 from tokenline.engine.process_client import EngineProcessClient
 from tokenline.settings.server import ServerSettings
-from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
 from tokenline.frontend.processor import InputProcessor, PromptError
 from tokenline.frontend.reasoning import REASONING_FORMATS
-from tokenline.frontend.text_pool import text_size
+from tokenline.frontend.text_pool import TextWorkPool
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.gateway.connection_budget import ConnectionBudget, ConnectionLimits
 from tokenline.gateway.door import Door
 from tokenline.gateway.door_policy import DoorPolicy, resolve_metrics_auth
-from tokenline.gateway.errors import APIError, install_error_handlers, shorten
+from tokenline.gateway.errors import install_error_handlers
 from tokenline.gateway.filters import load_filter_file
-from tokenline.gateway.gateway import Gateway, GatewayLimits, RequestContext
+from tokenline.gateway.gateway import Gateway, GatewayLimits
 from tokenline.gateway.keys import KeyStore
-from tokenline.gateway.ledger import PriceTable, UsageLedger, default_ledger_path, parse_time
+from tokenline.gateway.ledger import PriceTable, UsageLedger, default_ledger_path
 from tokenline.gateway.live_events import LiveEvents
 from tokenline.gateway.metrics import ServerMetrics, StatsSource
 from tokenline.gateway.rate_limit import make_rate_limiter
-from tokenline.gateway.trace import TraceStore
 from tokenline.gateway.response_store import ResponseStore
+from tokenline.gateway.trace import TraceStore
 from tokenline.model.config import ModelConfig, load_generation_config
-from tokenline.model.model_store import DEFAULT_MODEL_NAME, resolve_model
+from tokenline.router.data_parallel import DEFAULT_DATA_PARALLEL_POLICY, build_policy, local_fleet
+from tokenline.store.model_store import DEFAULT_MODEL_NAME, resolve_model
 
 logger = logging.getLogger("tokenline.api")
 
@@ -162,21 +152,19 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         client = EngineProcessClient(settings.engine, model_dir, tokenizer.vocab_size, settings.engine_restart)
     gateway = build_gateway(settings, client, served_model_name)
     keys, limiter, ledger, metrics = gateway.keys, gateway.limiter, gateway.ledger, gateway.metrics
-    serving = OpenAIServing(
-        client,
-        InputProcessor(
-            tokenizer,
-            load_generation_config(settings.generation_config, model_dir),
-            lambda: serving.max_model_len,
-            reasoning=REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else False,
-            allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
-        ),
-        gateway,
-        served_model_name,
-        model_aliases=model_names[1:],
-        request_timeout=settings.request_timeout,
-        tool_call_parser=settings.tool_call_parser,
+    processor = InputProcessor(
+        tokenizer,
+        load_generation_config(settings.generation_config, model_dir),
+        lambda: serving.max_model_len,
+        reasoning=REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else False,
+        allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
     )
+    # Rendering and tokenizing run off the event loop, bounded, in one pool (frontend/text_pool.py).
+    text_pool = TextWorkPool()
+    deps = ServingDeps(client, processor, gateway, served_model_name, text_pool, settings.request_timeout,
+                       model_names[1:])
+    serving = ChatServing(deps, tool_call_parser=settings.tool_call_parser)
+    completion_serving = CompletionServing(deps)
     passthrough = _passthrough(settings, client, serving)  # kind=openai upstreams: text forwarded
     # Stored Responses API responses live next to the usage rows, in the ledger's database.
     responses = ResponsesServing(serving, ResponseStore(ledger.path) if ledger is not None else None)
@@ -210,9 +198,10 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         yield
         await client.shutdown()
         await serving.drain()
+        await completion_serving.drain()
         if passthrough is not None:
             await passthrough.drain()
-        serving.text_pool.close()
+        text_pool.close()
         if ledger is not None:
             ledger.close()
         if limiter is not None:
@@ -255,211 +244,14 @@ def build_app(settings: ServerSettings, client: EngineClient | None = None) -> F
         path_byte_limits=dict.fromkeys(("/tokenize", "/detokenize"), settings.max_tokenize_bytes),
     )
 
-    def context(request: Request, model: str | None) -> RequestContext:
-        return gateway.open(request.scope["state"], model)
-
-    @app.get("/health", responses={**success(HealthStatus), 503: {"model": HealthStatus, "description": "Not ready"}})
-    async def health() -> Response:
-        """Readiness (vLLM's meaning): 200 only while an engine is ready to serve."""
-        state = client.state
-        body: dict[str, Any] = {"status": state, "engine_pid": client.pid, "engine_restarts": client.restarts}
-        if client.error:
-            body["error"] = client.error
-        if state != "ok":
-            headers = {"Retry-After": "1"} if state in ("loading", "restarting") else None
-            return JSONResponse(body, status_code=503, headers=headers)
-        return JSONResponse(body)
-
-    @app.get("/ready", responses={**success(HealthStatus), 503: {"model": HealthStatus, "description": "Not ready"}})
-    async def ready() -> Response:
-        """Readiness for traffic: /health's answer, and also 503 ``saturated`` while every connection
-        the server admits has a request at work (a new request would get a 503 too)."""
-        answer = await health()
-        if answer.status_code == 200 and not connections.has_room():
-            body = {"status": "saturated", "engine_pid": client.pid, "engine_restarts": client.restarts}
-            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-        return answer
-
-    @app.get("/live")
-    async def live() -> dict[str, str]:
-        """Liveness: the API process is up and its event loop answers, whatever the engine does."""
-        return {"status": "alive"}
-
-    @app.get("/ping", operation_id="ping_get", responses={**success(HealthStatus), 503: {"model": HealthStatus}})
-    @app.post("/ping", operation_id="ping_post", responses={**success(HealthStatus), 503: {"model": HealthStatus}})
-    async def ping() -> Response:
-        """vLLM's (and SageMaker's) liveness route: the same answer as /health."""
-        return await health()
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    created = int(time.time())  # when this server started serving the model
-
-    def model_card(name: str) -> dict[str, Any]:
-        info = client.info
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "tokenline",
-            "root": str(model_dir),
-            "max_model_len": info.max_model_len if info else None,
-        }
-
-    @app.get("/v1/models", response_model=None, responses=success(ModelList))
-    async def models(request: Request) -> dict[str, Any]:
-        # One card per served name (vLLM's aliases), each shown only to tenants that may use it.
-        visible = [name for name in model_names if gateway.allows_model(request.state.tenant, name)]
-        return {"object": "list", "data": [model_card(name) for name in visible]}
-
-    @app.get("/v1/models/{model_id:path}", response_model=None, responses=success(ModelCard))
-    async def model(model_id: str, request: Request) -> dict[str, Any]:
-        if model_id not in model_names or not gateway.allows_model(request.state.tenant, model_id):
-            raise APIError.not_found(
-                f"The model `{shorten(model_id)}` does not exist.", param="model", code="model_not_found"
-            )
-        return model_card(model_id)
-
-    @app.post("/v1/chat/completions", responses=success(ChatCompletionResponse, stream=True))
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx = context(request, body.model)
-        gateway.check_limits(len(body.messages), body.requested_max_tokens, body.param_names["max_tokens"])
-        if passthrough is not None:
-            return await passthrough.chat(body, request, ctx)
-        return await serving.chat(body, request, ctx)
-
-    @app.post("/v1/completions", responses=success(CompletionResponse, stream=True))
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        ctx = context(request, body.model)
-        gateway.check_limits(0, body.requested_max_tokens, "max_tokens")
-        if passthrough is not None:
-            return await passthrough.completion(body, request, ctx)
-        return await serving.completion(body, request, ctx)
-
-    @app.post("/v1/responses", responses=success(stream=True))
-    async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await responses.create(body, request, context(request, body.model))
-
-    def tenant_name(request: Request) -> str:
-        tenant = request.state.tenant  # stored responses are the tenant's own, as in the ledger
-        return tenant.name if tenant is not None else "anonymous"
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-        return await responses.retrieve(response_id, tenant_name(request))
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        return await responses.delete(response_id, tenant_name(request))
-
-    @app.get("/v1/requests/{request_id}/trace")
-    async def request_trace(request_id: str, request: Request, tenant: str | None = None) -> dict[str, Any]:
-        caller = request.state.tenant
-        # Ids are per tenant: a caller sees only its own requests; another tenant's request with the
-        # same id is reported as absent, not as forbidden. An admin may name the tenant (?tenant=),
-        # or gets its own request, else any tenant's latest with that id.
-        trace = gateway.traces.get(caller.name if caller is not None else None, request_id)
-        if caller is not None and caller.admin:
-            if tenant is not None:
-                trace = gateway.traces.get(tenant, request_id)
-            elif trace is None:
-                trace = gateway.traces.newest_with_id(request_id)
-        if trace is None:
-            raise APIError.not_found(f"no trace for request {shorten(request_id)!r}", param="request_id")
-        return trace.to_dict()
-
-    @app.get("/admin/usage")
-    async def admin_usage(request: Request, since: str | None = None, until: str | None = None,
-                          tenant: str | None = None) -> dict[str, Any]:
-        require_admin(request)
-        start, end = admin_time(since, "since"), admin_time(until, "until")
-        rows = await asyncio.to_thread(ledger.summary, start, end, tenant)
-        return {"object": "list", "data": [dataclasses.asdict(r) for r in rows]}
-
-    @app.post("/admin/keys/reload")
-    async def admin_reload(request: Request) -> dict[str, Any]:
-        require_admin(request)
-        if keys is None or not settings.keys_file:
-            raise APIError.bad_request("this server has no keys file to reload")
-        try:
-            tenants = keys.reload()
-        except Exception as exc:  # noqa: BLE001
-            raise APIError.bad_request(f"the keys file is invalid; the previous tenants stay: {exc}") from exc
-        return {"tenants": len(tenants)}
-
-    def admin_time(value: str | None, param: str) -> float | None:
-        try:
-            return parse_time(value) if value else None
-        except ValueError as exc:
-            raise APIError.bad_request(str(exc), param=param) from exc
-
-    def require_admin(request: Request) -> None:
-        tenant = request.state.tenant
-        if keys is None:
-            raise APIError.not_found("admin endpoints need --api-key or --keys")
-        if tenant is None or not tenant.admin:
-            raise APIError.forbidden("this key may not use admin endpoints")
-
-    async def admit_text_work(request: Request, model: str | None) -> RequestContext:
-        """/tokenize and /detokenize: the model must exist and the tenant may use it (omitted: any
-        served name it may use), and the request counts against the tenant's RPM."""
-        serving.check_model(model)
-        if model is None:
-            tenant = request.state.tenant
-            model = next((name for name in model_names if gateway.allows_model(tenant, name)), served_model_name)
-        return await gateway.admit_text_work(request.scope["state"], model)
-
-    @app.post("/tokenize", response_model=None, responses=success(TokenizeResponse))
-    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-        body.check()
-        size = len(body.prompt) if body.prompt is not None else text_size(body.template_messages())
-        ctx = await admit_text_work(request, body.model)
-        info = client.info
-
-        def work() -> bytes:
-            if body.messages is not None:
-                tokens = serving.render_chat(body)
-            else:
-                # As a completion prompt: special-token strings stay text unless the operator opted in.
-                tokens = serving.processor.encode(body.prompt or "", add_special_tokens=body.use_special_tokens)
-            # Serialized here too: FastAPI's encoder takes seconds over a million ids.
-            payload = {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
-            if body.return_token_strs:  # vLLM's: each token's string in the vocabulary (e.g. "Ġworld")
-                payload["token_strs"] = [tokenizer.id_to_token(t) or "" for t in tokens]
-            return json.dumps(payload, separators=(",", ":")).encode()
-
-        # Off the event loop, bounded, in the tenant's line (frontend/text_pool.py): a 4 MB body
-        # must not stall /health, nor another tenant's chat.
-        try:
-            return Response(await serving.text_pool.run(work, size, ctx.tenant_name), media_type="application/json")
-        finally:
-            await gateway.release(ctx)
-
-    @app.post("/detokenize", response_model=None, responses=success(DetokenizeResponse))
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-        ctx = await admit_text_work(request, body.model)
-        vocab = tokenizer.vocab_size
-
-        def work() -> dict[str, Any]:
-            if any(not 0 <= t < vocab for t in body.tokens):
-                raise APIError.bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-            return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-        try:
-            return await serving.text_pool.run(work, len(body.tokens), ctx.tenant_name)  # as /tokenize
-        finally:
-            await gateway.release(ctx)
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=success(description="Prometheus metrics"))
-    async def prometheus_metrics() -> Response:
-        return metrics.response()
-
+    app.include_router(observability_router(client, gateway, connections))
+    app.include_router(openai_router(client, gateway, serving, completion_serving, passthrough, model_names, model_dir))
+    app.include_router(responses_router(responses, gateway))
+    app.include_router(admin_router(keys, ledger, settings.keys_file))
     return app
 
 
-def _passthrough(settings: ServerSettings, client: EngineClient, serving: OpenAIServing) -> PassthroughServing | None:
+def _passthrough(settings: ServerSettings, client: EngineClient, serving: ChatServing) -> PassthroughServing | None:
     """The text pass-through when the upstreams are ``kind=openai``; the prompt reservation counts
     with the local tokenizer when the router was given ``--model``, else bytes/4."""
     from tokenline.router.fleet import FleetClient

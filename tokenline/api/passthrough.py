@@ -25,8 +25,9 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenline.api.chat_serving import _message_texts
 from tokenline.api.protocol import ChatCompletionRequest, CompletionRequest, random_id
-from tokenline.api.serving import _message_texts, _sse, _sse_event, _until_disconnect
+from tokenline.api.serving import _sse, _sse_event, _until_disconnect
 from tokenline.gateway.errors import APIError
 from tokenline.gateway.gateway import Gateway, Receipt, RequestContext, SequenceReceipt
 from tokenline.gateway.ledger import ABORT_REASONS

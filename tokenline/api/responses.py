@@ -1,7 +1,7 @@
 """The Responses API (``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``) over the chat path.
 
 A Responses request becomes a chat request (``responses_protocol.py``) and runs through
-``OpenAIServing.start_chat``: the same template, reasoning and tool-call parsers, tool grammar,
+``ChatServing.start_chat``: the same template, reasoning and tool-call parsers, tool grammar,
 gateway (keys, limits, ledger, metrics, trace, receipt) and engine client as chat completions.
 Only the answer's shape differs: output items built by ``OutputBuilder``, streamed as the
 Responses event types. With ``store`` (the default, as on OpenAI) the response and its
@@ -19,9 +19,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenline.api.chat_serving import ChatServing
 from tokenline.api.response_output import Event, OutputBuilder, new_id, response_usage
 from tokenline.api.responses_protocol import ResponsesRequest
-from tokenline.api.serving import OpenAIServing, _Generation, _sse, _until_disconnect
+from tokenline.api.serving import _Generation, _sse, _until_disconnect
 from tokenline.frontend.chat_output import ChatPiece
 from tokenline.frontend.reasoning import THINK_END
 from tokenline.frontend.request_state import SequenceState
@@ -56,7 +57,7 @@ class _Run:
 
 
 class ResponsesServing:
-    def __init__(self, chat: OpenAIServing, store: ResponseStore | None) -> None:
+    def __init__(self, chat: ChatServing, store: ResponseStore | None) -> None:
         self.chat = chat
         self.store = store
 

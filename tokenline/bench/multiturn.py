@@ -18,7 +18,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from tokenline.bench.serve import RequestResult
+from tokenline.bench.results import RequestResult
 
 Message = dict[str, str]
 

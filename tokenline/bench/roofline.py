@@ -11,7 +11,6 @@ functions touch torch and the engine.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -26,16 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tokenline.bench.serve import percentile
+from tokenline.bench.machine_probes import GB, BandwidthResult, measure_bandwidth, measure_matmul_gflops
+from tokenline.bench.results import percentile
 from tokenline.bench.throughput import synthetic_prompts
 from tokenline.model.config import ModelConfig
-from tokenline.model.registry import model_class
+from tokenline.model.loader import model_class
 
 if TYPE_CHECKING:
     from tokenline.engine.engine_core import EngineCore
 
-GB = 1e9  # bandwidth and sizes in the report are decimal (GB/s, MB), as hardware specs quote them
-_TILE = 1 << 20  # elements of the random tile the bandwidth buffer is built from
 
 
 # --- what one decode step must read and compute -------------------------------------------------
@@ -174,15 +172,6 @@ def roofline_bound(num_bytes: float, flops: float, bandwidth_bytes_per_s: float,
 
 
 @dataclass
-class BandwidthResult:
-    gb_per_s: float  # the best method's median
-    method: str
-    by_method: dict[str, float]  # median GB/s of each method
-    buffer_bytes: int
-    repeats: int
-
-
-@dataclass
 class MachineInputs:
     bandwidth: BandwidthResult
     matmul_gflops: dict[str, float]  # dtype name -> median GFLOP/s of an n x n x n torch.mm
@@ -229,63 +218,6 @@ def others_cpu_share(start: CpuSample | None, end: CpuSample | None) -> float | 
     others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
     return min(1.0, max(0.0, others / ((end.wall_s - start.wall_s) * (os.cpu_count() or 1))))
 
-
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _filled_buffer(numel: int, seed: int) -> torch.Tensor:
-    """float32 buffer of real data on every page: a random tile plus the row index, so no page is the
-    kernel's shared zero page (torch.empty's untouched pages read from cache) and no two pages are
-    identical (a host that merges equal pages could otherwise shrink the buffer into its cache)."""
-    generator = torch.Generator().manual_seed(seed)
-    tile = torch.rand(_TILE, generator=generator)
-    buf = torch.empty(numel)
-    rows = numel // _TILE
-    if rows:
-        offsets = torch.arange(rows, dtype=torch.float32).unsqueeze(1)
-        torch.add(tile, offsets, out=buf[: rows * _TILE].view(rows, _TILE))
-    buf[rows * _TILE :] = tile[: numel - rows * _TILE]
-    return buf
-
-
-def measure_bandwidth(num_bytes: int, repeats: int = 5, seed: int = 0) -> BandwidthResult:
-    """Memory read bandwidth over a float32 buffer of ``num_bytes``, with torch's own threads. Take
-    it much larger than the last-level cache, or the figure is the cache's, not memory's."""
-    numel = num_bytes // 8 * 2  # even, so it splits into two halves for dot
-    if numel < 2:
-        raise ValueError("bandwidth buffer must hold at least 8 bytes")
-    buf = _filled_buffer(numel, seed)
-    half = numel // 2
-    nbytes = numel * 4
-    by_method: dict[str, float] = {}
-    # sum: one read of every byte. dot of the two halves: likewise, through BLAS.
-    by_method["sum"] = nbytes / _median_seconds(lambda: buf.sum(), repeats) / GB
-    by_method["dot"] = nbytes / _median_seconds(lambda: torch.dot(buf[:half], buf[half:]), repeats) / GB
-    dst = torch.zeros_like(buf)  # zeros_like writes every page, so the first timed copy faults nothing in
-    # copy: counts the read and the write (a write-allocate cache reads the target too, uncounted).
-    by_method["copy"] = 2 * nbytes / _median_seconds(lambda: dst.copy_(buf), repeats) / GB
-    del buf, dst
-    gc.collect()
-    method = max(by_method, key=by_method.__getitem__)
-    return BandwidthResult(by_method[method], method, by_method, nbytes, repeats)
-
-
-def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seed: int = 0) -> float:
-    """Median GFLOP/s of an n x n x n ``torch.mm`` (warm, into a preallocated output)."""
-    generator = torch.Generator().manual_seed(seed)
-    a = torch.randn(n, n, generator=generator).to(dtype)
-    b = torch.randn(n, n, generator=generator).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    seconds = _median_seconds(lambda: torch.mm(a, b, out=out), repeats, warmup=2)
-    return 2 * n**3 / seconds / GB
 
 
 def measure_machine(bandwidth_bytes: int, repeats: int = 5, matmul_size: int = 2048, seed: int = 0) -> MachineInputs:
@@ -547,9 +479,10 @@ class RooflineConfig:
 def run_roofline(config: RooflineConfig, log: Callable[[str], None] = lambda _: None) -> RooflineReport:
     """Measure the machine first (its big buffers are freed before the model loads), then load the
     engine once and time each batch size in turn."""
-    from tokenline.engine.config import EngineConfig, build_engine_core
+    from tokenline.engine.config import EngineConfig
+    from tokenline.engine.factory import build_engine_core
     from tokenline.frontend.tokenizer import Tokenizer
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
 
     config.validate()
     model_dir = resolve_model(config.model)

@@ -17,7 +17,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.engine_core import EngineCore, RequestRejected
 from tokenline.engine.kv_events import EventBatch
 from tokenline.engine.messages import (

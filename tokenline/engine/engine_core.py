@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from tokenline.engine.context_window import completion_overflow, prompt_overflow
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.kv_events import KVCacheEvent
 from tokenline.engine.messages import (
@@ -27,13 +28,13 @@ from tokenline.engine.messages import (
     StepRecord,
     TokenLogprobs,
 )
-from tokenline.engine.mtp_proposer import MtpProposer
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request
 from tokenline.engine.scheduler import Scheduler, SchedulerConfig
-from tokenline.engine.suffix_proposer import SuffixProposer
 from tokenline.model.batch import Runner, SampledToken, ScheduledBatch
-from tokenline.model.grammar import GrammarCompiler
+from tokenline.spec_decode.mtp_proposer import MtpProposer
+from tokenline.spec_decode.ngram_proposer import NgramProposer
+from tokenline.spec_decode.suffix_proposer import SuffixProposer
+from tokenline.structured_output.grammar import GrammarCompiler
 
 MAX_STEP_RECORDS = 10_000  # kept for a caller that drains them rarely (or never): the newest win
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
@@ -81,23 +82,20 @@ class EngineCore:
 
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ``RequestRejected`` if it could never complete."""
+        # The request processor has checked the request already (frontend/processor.py); this is
+        # for requests handed to the engine directly, with the same check and messages.
         num_prompt = len(engine_request.prompt_token_ids)
         if num_prompt == 0:
             raise RequestRejected("prompt", "the prompt is empty")
-        room = self.max_model_len - num_prompt
-        if room <= 0:
-            raise RequestRejected(
-                "prompt",
-                f"the prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens",
-            )
+        overflow = prompt_overflow(num_prompt, self.max_model_len)
+        if overflow is not None:
+            raise RequestRejected("prompt", overflow)
         requested = engine_request.sampling.max_tokens
-        if requested is not None and requested > room:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({requested}) exceeds the model's context "
-                f"of {self.max_model_len} tokens",
-            )
-        max_tokens = room if requested is None else requested
+        max_tokens = self.max_model_len - num_prompt if requested is None else requested
+        overflow = completion_overflow(num_prompt, max_tokens, self.max_model_len)
+        if overflow is not None:
+            raise RequestRejected("max_tokens", overflow)
+        # What only the engine knows: the pool.
         pool_tokens = self.kv_cache.pool.num_blocks * self.kv_cache.block_size
         # Sliding-window groups hold a window's blocks, not the whole sequence's (kv_cache_manager.py).
         needed = self.kv_cache.blocks_for_sequence(num_prompt + max_tokens)

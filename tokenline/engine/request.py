@@ -12,7 +12,7 @@ from tokenline.engine.messages import EngineRequest, FinishReason, RequestTiming
 if TYPE_CHECKING:
     import torch
 
-    from tokenline.model.grammar import CompiledGrammar, GrammarState
+    from tokenline.structured_output.grammar import CompiledGrammar, GrammarState
 
 
 class RequestStatus(enum.Enum):

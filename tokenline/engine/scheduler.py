@@ -25,12 +25,12 @@ import numpy as np
 from tokenline.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import FinishReason
-from tokenline.engine.mtp_proposer import MtpProposer
-from tokenline.engine.ngram_proposer import NgramProposer
 from tokenline.engine.request import Request, RequestStatus
-from tokenline.engine.suffix_proposer import SuffixProposer
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, num_accepted_drafts
-from tokenline.model.grammar import fill_bitmasks
+from tokenline.spec_decode.mtp_proposer import MtpProposer
+from tokenline.spec_decode.ngram_proposer import NgramProposer
+from tokenline.spec_decode.suffix_proposer import SuffixProposer
+from tokenline.structured_output.grammar import fill_bitmasks
 
 logger = logging.getLogger("tokenline.engine")
 

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tokenline.engine.context_window import CONTEXT_LENGTH_EXCEEDED, completion_overflow, prompt_overflow
 from tokenline.engine.messages import EngineRequest
 from tokenline.frontend.chat_messages import content_format, conversation
 from tokenline.frontend.chat_output import ChatOutputParser
@@ -23,8 +24,8 @@ from tokenline.frontend.thinking import has_thinking_switch, thinking_kwargs
 from tokenline.frontend.tokenizer import Tokenizer
 from tokenline.frontend.tool_parsers import ToolCallFormat
 from tokenline.frontend.user_text import RenderedChat
-from tokenline.model.grammar import validate as validate_structured_outputs
 from tokenline.sampling_params import SamplingParams, SamplingParamsError
+from tokenline.structured_output.grammar import validate as validate_structured_outputs
 
 
 # Makes the reasoning / tool-call parser of one choice, given its prompt's ids (None: plain text).
@@ -133,14 +134,9 @@ class InputProcessor:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise PromptError(param, f"prompt token ids must be in [0, {vocab}); out of range: {bad[:5]}")
-        max_model_len = self.max_model_len
-        if len(prompt_ids) >= max_model_len:
-            raise PromptError(
-                param,
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-                f"{len(prompt_ids)} tokens. Please reduce the length of the prompt.",
-                code="context_length_exceeded",
-            )
+        overflow = prompt_overflow(len(prompt_ids), self.max_model_len)
+        if overflow is not None:
+            raise PromptError(param, overflow, code=CONTEXT_LENGTH_EXCEEDED)
 
     # --- parameters ----------------------------------------------------------------------------
 
@@ -176,14 +172,9 @@ class InputProcessor:
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens_cap is not None:
             max_tokens = min(max_tokens, max_tokens_cap)
-        if max_tokens > room:
-            raise PromptError(
-                names.get("max_tokens", "max_tokens"),
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
-                f"completion). Please reduce the length of the prompt or of the completion.",
-                code="context_length_exceeded",
-            )
+        overflow = completion_overflow(prompt_len, max_tokens, self.max_model_len)
+        if overflow is not None:
+            raise PromptError(names.get("max_tokens", "max_tokens"), overflow, code=CONTEXT_LENGTH_EXCEEDED)
         if max_tokens != params.max_tokens:
             params = self._replace(params, names, max_tokens=max_tokens)
         vocab = self.tokenizer.vocab_size

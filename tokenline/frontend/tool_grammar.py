@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokenline.frontend.tool_calls import TOOL_CALL_END, TOOL_CALL_START
-from tokenline.model.grammar import json_schema_error
 from tokenline.sampling_params import SamplingParamsError
+from tokenline.structured_output.grammar import json_schema_error
 
 __all__ = ["arguments_schema", "strict_schema", "tool_call_grammar"]
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tokenline.gateway.errors import shorten
-from tokenline.model.model_store import tokenline_home
+from tokenline.store.model_store import tokenline_home
 
 logger = logging.getLogger("tokenline.gateway.ledger")
 

@@ -17,24 +17,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from tokenline.model import cpu_kernels
-from tokenline.model.prefill_attention import batches_prefills, prefill_batched
-
-
-@dataclass
-class PrefillSpan:
-    """A run of tokens from one sequence that attends causally to its own cached context."""
-
-    start: int  # index of its first token in the flat batch
-    num_tokens: int
-    context_len: int  # tokens the chunk attends to, itself included (cached + new)
-    block_table: torch.Tensor  # [num_blocks_of_seq] int64
-    state_slot: int = -1  # hybrid models: the sequence's recurrent-state slot (-1: none)
-    # Hybrid models: (tokens into the span, slot) — copy the state there after that many tokens.
-    checkpoints: list[tuple[int, int]] = field(default_factory=list)
-    # Hybrid models, speculative decoding: the span ends with draft tokens, so its linear layers
-    # leave the slot as it was and report what commits the state after the accepted ones
-    # (``AttentionMetadata.pending_states``). Attention needs nothing: rejected KV is overwritten later.
-    drafts: bool = False
+from tokenline.model.prefill_attention import PrefillSpan, batches_prefills, prefill_batched
 
 
 @dataclass

@@ -56,7 +56,7 @@ class ScheduledSeq:
     restore_state_from: int | None = None
     state_checkpoints: Sequence[tuple[int, int]] = ()
     # Structured output: int32 [1 + len(draft_token_ids), ceil(vocab / 32)], one row per sampled
-    # position, bit i of a row set when token i is allowed there (model/grammar.py); None: no constraint.
+    # position, bit i of a row set when token i is allowed there (structured_output/grammar.py); None: no constraint.
     grammar_bitmask: np.ndarray | None = None
     # A chunk that does not sample: the known token after it (a draft head, MTP, needs the token
     # after every position it reads).

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from tokenline.model.model_store import tokenline_home
 from tokenline.model.packed_weight import BlockedLayout
 from tokenline.model.panel_weight import PANEL
 from tokenline.model.quantization import BLOCK, CODE_BLOCK_BYTES
+from tokenline.store.model_store import tokenline_home
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ class DecodeRows:
 @dataclass(frozen=True)
 class PrefillSpans:
     """A step's prefill spans as the prefill attention kernel reads them, built once per step and
-    shared by every layer (see attention.PrefillSpan)."""
+    shared by every layer (see prefill_attention.PrefillSpan)."""
 
     starts: torch.Tensor  # [S] int64: first row of each span in the flat batch
     num_tokens: torch.Tensor  # [S] int64

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenline.model.attention import AttentionMetadata, PrefillSpan
+from tokenline.model.attention import AttentionMetadata
 from tokenline.model.config import ModelConfig
 from tokenline.model.layers import GatedRMSNorm, Linear, MergedLinear
+from tokenline.model.prefill_attention import PrefillSpan
 
 CHUNK_SIZE = 64  # tokens per chunk of the chunked delta rule: matmul-sized, and the triangular solve stays small
 # Several sequences' prefill spans run as one batched, padded chunked rule only while a layer's

@@ -4,7 +4,6 @@ treat all architectures alike: forward, logits, cache layout and weight loading.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -12,7 +11,6 @@ from torch import nn
 
 from tokenline.model.attention import AttentionMetadata
 from tokenline.model.config import ModelConfig
-from tokenline.model.weights import load_packed_weights
 
 # One layer's cache: a paged KV tensor (attention) or a sequence-slot state (e.g. (conv, recurrent)).
 Cache = torch.Tensor | tuple[torch.Tensor, ...]
@@ -78,8 +76,6 @@ class CausalLM(nn.Module, ABC):
     # -- weights ----------------------------------------------------------------------------------
 
     def checkpoint_name(self, name: str) -> str | None:
-        """A checkpoint tensor's name relative to this model, or None for a tensor it does not use."""
+        """A checkpoint tensor's name relative to this model, or None for a tensor it does not use
+        (read by ``weights.load_packed_weights``, the one loader of every model's checkpoint)."""
         return name.removeprefix("model.")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -12,8 +13,8 @@ from tokenline.model.host_memory import retain_freed_memory, return_freed_memory
 from tokenline.model.interface import CausalLM
 from tokenline.model.layers import prepare_for_inference
 from tokenline.model.mtp_checkpoint import check_mtp_checkpoint
-from tokenline.model.registry import model_class
-from tokenline.model.weights import iter_safetensors
+from tokenline.model.registry import implementation
+from tokenline.model.weights import iter_safetensors, load_packed_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +29,14 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    """The class implementing ``architecture``, importing its module now if it is not yet."""
+    module_name, class_name = implementation(architecture)
+    module = importlib.import_module(f"tokenline.model.{module_name}")
+    cls: type[CausalLM] = getattr(module, class_name)
+    return cls
 
 
 def load_model(
@@ -47,7 +56,7 @@ def load_model(
     if device.type == "cpu":
         retain_freed_memory()  # before the first allocation: a step's activations are reused, not re-faulted
     _allocate(model, device, dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    load_packed_weights(model, iter_safetensors(model_dir))
     prepare_for_inference(model, quantization)
     return_freed_memory()
     return model.eval()

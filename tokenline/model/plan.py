@@ -15,7 +15,7 @@ import torch
 
 from tokenline.model.config import ModelConfig
 from tokenline.model.kv_groups import sliding_blocks_needed
-from tokenline.model.registry import model_class
+from tokenline.model.loader import model_class
 
 GIB = 1 << 30
 

@@ -1,18 +1,14 @@
 """The architectures tokenline serves: HF architecture name -> the module and class implementing it.
 
 Adding an architecture is one model file (a :class:`~tokenline.model.interface.CausalLM`) plus one
-line in ``_MODELS``. Model modules are imported on first use, so a server for one family never
-loads another's code, and reading the table needs no torch: the API process checks configs with it.
+line in ``_MODELS``. Model modules are imported on first use (``loader.model_class``), so a server for
+one family never loads another's code, and reading the table needs no torch: the API process checks
+configs with it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tokenline.model.interface import CausalLM
 
 # HF architecture name: (module under tokenline.model, class name).
 _MODELS: dict[str, tuple[str, str]] = {
@@ -34,14 +30,11 @@ def resolve_architecture(architectures: Sequence[str]) -> str | None:
     return next((a for a in architectures if a in _MODELS), None)
 
 
-def model_class(architecture: str) -> type[CausalLM]:
-    """The class implementing ``architecture``, importing its module now if it is not yet."""
+def implementation(architecture: str) -> tuple[str, str]:
+    """(module under tokenline.model, class name) implementing ``architecture``."""
     entry = _MODELS.get(architecture)
     if entry is None:
         raise ValueError(
             f"architecture {architecture!r} is not supported (supported: {', '.join(supported_architectures())})"
         )
-    module_name, class_name = entry
-    module = importlib.import_module(f"tokenline.model.{module_name}")
-    cls: type[CausalLM] = getattr(module, class_name)
-    return cls
+    return entry

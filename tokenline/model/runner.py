@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tokenline.model.attention import AttentionMetadata, PrefillSpan
+from tokenline.model.attention import AttentionMetadata
 from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, TokenLogprobs, num_accepted_drafts
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import copy_state_slots
@@ -19,6 +19,7 @@ from tokenline.model.interface import Cache
 from tokenline.model.kv_groups import kv_groups
 from tokenline.model.loader import load_model
 from tokenline.model.mtp_drafter import MtpDrafter
+from tokenline.model.prefill_attention import PrefillSpan
 from tokenline.model.prompt_logprobs import score_tokens
 from tokenline.model.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenline.model.model_store import DEFAULT_MODEL_NAME
+from tokenline.store.model_store import DEFAULT_MODEL_NAME
 from tokenline.setting_field import Declared
 from tokenline.settings.catalog import all_declared
 from tokenline.settings.speculative_config import ServeArgsError, speculative_config_fields

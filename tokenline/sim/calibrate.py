@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenline.engine.config import EngineConfig, build_engine_core
+from tokenline.engine.config import EngineConfig
+
+from tokenline.engine.factory import build_engine_core
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.messages import EngineRequest
 from tokenline.model.batch import SampledToken, ScheduledBatch
@@ -93,7 +95,7 @@ def machine_info(device: str) -> dict[str, object]:
 def measure_roofline(dtype: object, bandwidth_bytes: int = 512 << 20, matmul_size: int = 1024) -> dict[str, float]:
     """This machine's memory bandwidth and matmul peak at ``dtype``, with the threads the fit ran on:
     the denominators of the what-ifs' roofline ratio (a few seconds; ``bench roofline`` measures longer)."""
-    from tokenline.bench.roofline import measure_bandwidth, measure_matmul_gflops
+    from tokenline.bench.machine_probes import measure_bandwidth, measure_matmul_gflops
 
     return {
         "memory_bandwidth_gbps": measure_bandwidth(bandwidth_bytes, repeats=3).gb_per_s,

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenline.bench.serve import _stats_ms
+from tokenline.bench.results import stats_ms
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
@@ -297,7 +297,7 @@ def run_open_loop(model: AcceleratorStepModel, requests: list[_Request], num_kv_
     span = max(clock() - requests[0].arrival, 1e-9)
     ttft = [first[k] - requests[k].arrival for k in done]
     tpot = [(last[k] - first[k]) / (tokens[k] - 1) for k in done if tokens[k] > 1]
-    t, p = _stats_ms(ttft), _stats_ms(tpot)
+    t, p = stats_ms(ttft), stats_ms(tpot)
     busy = recorder.prefill_s + recorder.decode_s
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return LoadPoint(

@@ -25,14 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from tokenline.bench.multiturn import MultiturnWorkload, make_multiturn_workload
-from tokenline.bench.serve import (
-    BenchServeReport,
-    RequestResult,
-    _cached_share,
-    load_tokenizer,
-    make_prompts,
-    ordinary_token_ids,
-)
+from tokenline.bench.prompts import load_tokenizer, make_prompts, ordinary_token_ids
+from tokenline.bench.results import BenchServeReport, RequestResult, cached_share
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_events import KVCacheEvent
 from tokenline.engine.messages import EngineOutput, EngineRequest, EngineStats
@@ -337,10 +331,10 @@ def add_fleet_results(report: BenchServeReport, fleet: FleetRun) -> None:
         for c in fleet.replicas
     ]
     ok = [(r, t) for r, t in zip(fleet.run.results, fleet.turns) if r.success]
-    report.cached_prompt_tokens, report.cached_tokens_share = _cached_share([r for r, _ in ok])
+    report.cached_prompt_tokens, report.cached_tokens_share = cached_share([r for r, _ in ok])
     if max(fleet.turns, default=0) > 0:
         report.cached_tokens_share_by_turn = [
-            _cached_share([r for r, t in ok if t == turn])[1] for turn in range(max(fleet.turns) + 1)]
+            cached_share([r for r, t in ok if t == turn])[1] for turn in range(max(fleet.turns) + 1)]
 
 
 @dataclass

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenline.model.config import ModelConfig
-from tokenline.model.registry import model_class
 from tokenline.sim.machine import Machine
 from tokenline.sim.step_model import StepFeatures
 
@@ -48,7 +47,8 @@ class ModelCost:
 
 def model_cost(config: ModelConfig, dtype_size: int) -> ModelCost:
     """Count a model's bytes and FLOPs from its config (built on the meta device: no memory)."""
-    from tokenline.model.plan import count_parameters  # torch, only when a what-if asks
+    from tokenline.model.loader import model_class  # torch, only when a what-if asks
+    from tokenline.model.plan import count_parameters
 
     params = count_parameters(config)
     # An untied input embedding is a lookup of N rows, not a matmul: leave it out of the per-step read.

@@ -35,7 +35,8 @@ import httpx
 import numpy as np
 
 from tokenline.bench.neighbour_cpu import CpuSnapshot, snapshot
-from tokenline.bench.serve import BenchServeConfig, BenchServeReport, ServerNotReady, run_bench_serve, wait_healthy
+from tokenline.bench.results import BenchServeReport
+from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve, wait_healthy
 from tokenline.sim.step_model import StepFeatures, StepModel, relative_weight, robust_lstsq
 
 BUSY_GAP_S = 0.05  # a longer gap before the next step: the engine was idle, waiting for a request

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenline.bench.serve import BenchServeReport, RequestResult, _stats_ms, make_prompts
+from tokenline.bench.prompts import make_prompts
+from tokenline.bench.results import BenchServeReport, RequestResult, stats_ms
 from tokenline.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
@@ -169,10 +170,10 @@ def report(run: ClosedLoopRun, config: SimConfig, model: str, base_url: str) -> 
         total_output_tokens=sum(r.output_tokens for r in ok),
         max_in_flight=run.max_in_flight,
         usage_reported=sum(r.usage_reported for r in ok),
-        ttft_ms=_stats_ms([r.ttft for r in ok if r.ttft is not None]),
-        tpot_ms=_stats_ms([t for r in ok if (t := r.tpot) is not None]),
-        itl_ms=_stats_ms([x for r in ok for x in r.itl]),
-        e2e_ms=_stats_ms([r.e2e for r in ok]),
+        ttft_ms=stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=stats_ms([t for r in ok if (t := r.tpot) is not None]),
+        itl_ms=stats_ms([x for r in ok for x in r.itl]),
+        e2e_ms=stats_ms([r.e2e for r in ok]),
     )
 
 

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from tokenline.model.grammar import (
+from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
+from tokenline.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+)
+from tokenline.structured_output.grammar import (
     MIN_GRAMMAR_BYTES,
     CompiledGrammar,
     GrammarCompiler,
@@ -22,12 +28,6 @@ from tokenline.model.grammar import (
     fill_bitmasks,
     grammar_text,
     validate,
-)
-from tokenline.model.sampler import Sampler, SamplingMetadata, SamplingRow
-from tokenline.sampling_params import (
-    SamplingParams,
-    SamplingParamsError,
-    StructuredOutputs,
 )
 
 VOCAB = 49152
@@ -106,7 +106,7 @@ def test_validate_accepts(spec: StructuredOutputs) -> None:
 
 
 def test_grammar_module_does_not_import_torch() -> None:
-    code = "import sys, tokenline.model.grammar; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, tokenline.structured_output.grammar; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -14,8 +14,8 @@ from gguf import GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from tokenline.model import gguf_import, model_store
-from tokenline.model.model_store import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
+from tokenline.store import gguf_import, model_store
+from tokenline.store.model_store import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
 
 CORPUS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

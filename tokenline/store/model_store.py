@@ -93,7 +93,7 @@ def _import_once(gguf_path: Path, target: Path, progress: bool) -> Path:
     mid-import leaves at most a hidden ``.importing`` directory that nothing loads.
     """
     # Imported here: resolving an already-imported model should not pay for torch and gguf.
-    from tokenline.model.gguf_import import import_gguf
+    from tokenline.store.gguf_import import import_gguf
 
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("importing %s into %s (done once)", gguf_path, target)
