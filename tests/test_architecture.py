@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"frontend", "engine", "store.model_store", "sampling_params"},
     # bench serve reads /metrics deltas with top's helpers (top imports no tokenline code)
     "bench": {"engine", "frontend", "llm", "model", "sampling_params", "store", "top"},
-    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params", "serve_args",
+    "cli": {"api", "bench", "engine", "frontend", "gateway", "llm", "model", "router", "sampling_params",
             "settings", "setting_field", "sim", "store", "top", "trace_walk"},
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape; calibrate measures the machine with bench's machine probes and
@@ -49,8 +49,6 @@ ALLOWED: dict[str, set[str]] = {
             "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
-    # where vLLM's serve flags were tabled; the names stay importable from it
-    "serve_args": {"settings.vllm_flags"},
     # every setting declared once (setting_field, a leaf) on the records that own it; the parsers,
     # --config files and the reference are made from them
     "setting_field": set(),
@@ -65,7 +63,7 @@ ALLOWED: dict[str, set[str]] = {
 # it reads; the tools that drive a whole server or engine sit on top.
 ORDER: list[str] = [
     "sampling_params", "setting_field", "store", "spec_decode", "model", "structured_output", "engine", "router",
-    "frontend", "gateway", "settings", "top", "api", "llm", "trace_walk", "bench", "sim", "serve_args", "cli", "__init__",
+    "frontend", "gateway", "settings", "top", "api", "llm", "trace_walk", "bench", "sim", "cli", "__init__",
 ]
 
 # The packages of the API process and of a router, which run where no model does: every module of

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenline.cli import build_parser, serve_settings_from_args
-from tokenline.serve_args import VLLM_FLAGS, no_effect_warning
+from tokenline.settings.vllm_flags import VLLM_FLAGS, no_effect_warning
 
 
 def settings(default_model_dir: Path, *flags: str):  # noqa: ANN201 - (ServerSettings, idle flags)
