@@ -700,11 +700,11 @@ static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < Dh; i++) s += qj[i] * row[i];
-            scores[j * max_len + t] = s;
+            scores[j * max_len + t - first] = s; /* max_len >= len - first */
         }
     }
     for (int64_t j = 0; j < group; j++) {
-        float *sj = scores + j * max_len;
+        float *sj = scores + j * max_len - first; /* sj[t] for t in [first, len) */
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t t = first; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
 #pragma omp simd reduction(+ : sum)
@@ -721,7 +721,7 @@ static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         load_row(v_cache, slot * token_stride + g * Dh, Dh, kv_dtype, row);
         for (int64_t j = 0; j < group; j++) {
-            const float p = scores[j * max_len + t];
+            const float p = scores[j * max_len + t - first];
             float *aj = acc + j * Dh;
 #pragma omp simd
             for (int64_t i = 0; i < Dh; i++) aj[i] += p * row[i];
