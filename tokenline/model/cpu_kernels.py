@@ -284,7 +284,8 @@ class CpuKernels:
         return out
 
     def prefill_attention_bf16_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                spans: PrefillSpans, scale: float, out: torch.Tensor, window: int | None = None) -> bool:
+                                spans: PrefillSpans, scale: float, out: torch.Tensor,
+                                window: int | None = None) -> bool:
         """Causal attention of prefill spans over their paged bfloat16 cache (this step's K/V already
         in it), written into their rows of ``out`` (``window``: each query sees only its last
         ``window`` positions, as decode_attention). q [T, H, Dh] heads-contiguous, out [T, H, Dh]
