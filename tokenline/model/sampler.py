@@ -359,7 +359,7 @@ def _apply_top_k_top_p_sorted(x: torch.Tensor, top_k: torch.Tensor | None, top_p
 
 # Top-p alone first looks among each row's this many most likely tokens: where they hold top_p of the
 # mass (most rows of a real model) the nucleus lies among them, and the full-vocabulary sort is saved
-# (262,144 columns: 570 against 22 ms for 8 rows, 2 threads, bench in the Gemma 3 report).
+# (262,144 columns: 570 against 22 ms for 8 rows; docs/benchmarks/2026-12-07-gemma3.md).
 TOP_P_CANDIDATES = 1024
 
 
