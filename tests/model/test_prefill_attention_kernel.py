@@ -46,7 +46,7 @@ def _case(lens: list[int], prefixes: list[int], heads: int, kv_heads: int, head_
     return q, k_cache, v_cache, spans
 
 
-def _reference(q, k_cache, v_cache, spans) -> torch.Tensor:
+def _reference(q, k_cache, v_cache, spans, window: int | None = None) -> torch.Tensor:
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -56,6 +56,8 @@ def _reference(q, k_cache, v_cache, spans) -> torch.Tensor:
         query = q[s.start : s.start + s.num_tokens].double().transpose(0, 1)
         seen = torch.arange(s.num_tokens)[:, None] + (s.context_len - s.num_tokens)
         mask = torch.arange(s.context_len)[None, :] <= seen
+        if window is not None:
+            mask &= torch.arange(s.context_len)[None, :] > seen - window
         attended = F.scaled_dot_product_attention(
             query, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), attn_mask=mask,
             scale=1 / math.sqrt(head_dim),
@@ -106,6 +108,52 @@ def test_paged_attention_takes_the_kernel_for_bfloat16_prefills() -> None:
         for s in spans
     )
     assert (out.double() - ref).abs().max().item() <= 2 * sdpa_err + 1e-3
+
+
+def _forget_before_window(k_cache, v_cache, spans, window: int) -> list[PrefillSpan]:
+    """Blocks wholly before the window of a span's first query are NaN and its table points at an
+    unused NaN block there, as a KV manager that frees sliding-window blocks leaves them."""
+    block_size = k_cache.shape[1]
+    live = {b for s in spans for b in s.block_table.tolist()}
+    spare = next(b for b in range(k_cache.shape[0]) if b not in live)
+    forgotten = []
+    for s in spans:
+        gone = max(0, s.context_len - s.num_tokens - window + 1) // block_size
+        k_cache[s.block_table[:gone]] = float("nan")
+        v_cache[s.block_table[:gone]] = float("nan")
+        table = s.block_table.clone()
+        table[:gone] = spare
+        forgotten.append(PrefillSpan(s.start, s.num_tokens, s.context_len, table))
+    return forgotten
+
+
+WINDOW_CASES = [  # lens, cached prefixes: fresh spans longer than the window, chunks past it, one token
+    ([60, 20, 1, 24], [0, 100, 57, 24]),
+    ([23, 25], [3, 200]),
+]
+
+
+@pytest.mark.parametrize("lens,prefixes", WINDOW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_reads_only_the_window(lens, prefixes, dtype) -> None:
+    """window=24 over 4-token blocks: each query attends to its last 24 positions (itself included),
+    through paged_attention (the C kernel for bfloat16 with AVX512-BF16, SDPA over only the window's
+    blocks otherwise), never reading the blocks before the window."""
+    window = 24
+    q, k_cache, v_cache, spans = _case(lens, prefixes, 4, 1, 64, 4, seed=3)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    ref = _reference(q, k_cache, v_cache, spans, window)
+    k = torch.stack([k_cache[s.block_table].flatten(0, 1)[s.context_len - s.num_tokens + i]
+                     for s in spans for i in range(s.num_tokens)])
+    v = torch.stack([v_cache[s.block_table].flatten(0, 1)[s.context_len - s.num_tokens + i]
+                     for s in spans for i in range(s.num_tokens)])
+    slots = torch.tensor([int(s.block_table[p // 4]) * 4 + p % 4 for s in spans
+                          for p in range(s.context_len - s.num_tokens, s.context_len)])
+    spans = _forget_before_window(k_cache, v_cache, spans, window)
+    meta = AttentionMetadata(slot_mapping=slots, prefills=spans)
+    out = paged_attention(q, k, v, torch.stack([k_cache, v_cache]), meta, window=window)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() < (0.02 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])

@@ -28,10 +28,17 @@ QWEN3_5 = {
     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25},
 }
+GEMMA3 = {
+    **LLAMA, "num_hidden_layers": 6, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 8,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "query_pre_attn_scalar": 32,
+    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+}
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": LLAMA,
     "MistralForCausalLM": LLAMA,
     "Qwen3ForCausalLM": {**LLAMA, "head_dim": 24},
+    "Gemma3ForCausalLM": GEMMA3,
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5ForConditionalGeneration": {"text_config": QWEN3_5, "tie_word_embeddings": False},
 }

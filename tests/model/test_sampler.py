@@ -14,6 +14,7 @@ from tokenline.model.sampler import (
     SamplingMetadata,
     SamplingRow,
     _apply_top_k_top_p_sorted,
+    _apply_top_p_among_candidates,
     _apply_top_k_top_p_truncated,
     apply_logits_processors,
 )
@@ -416,3 +417,24 @@ def test_cuda_matches_cpu_contract() -> None:
     assert int(out.token_ids[0]) == int(logits[0, :VOCAB].argmax())
     assert (out.token_ids < VOCAB).all()
     assert math.isfinite(float(out.logprobs[0]))
+
+
+def test_top_p_alone_among_candidates_matches_the_sorted_path() -> None:
+    """A 262,144-column vocabulary (Gemma 3's): peaked rows find their nucleus among the top 1,024
+    and keep exactly what the full sort keeps; a flat row whose nucleus is wider declines (False,
+    untouched) and the sampler sorts it."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 262_144
+    # A model's row: a few hundred plausible tokens well above a long tail.
+    peaked = torch.randn(4, vocab, generator=gen) * 2.0
+    peaked[:, torch.randperm(vocab, generator=gen)[:300]] += 14.0 + torch.randn(4, 300, generator=gen) * 2.0
+    top_p = torch.tensor([0.5, 0.9, 0.95, 1.0])
+    ours, full = peaked.clone(), peaked.clone()
+    assert _apply_top_p_among_candidates(ours, top_p)
+    _apply_top_k_top_p_sorted(full, None, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(full))
+    assert not torch.isinf(ours[3]).any() and torch.isinf(ours[0]).sum() > vocab - 1024
+    flat = torch.randn(2, vocab, generator=gen) * 0.1
+    untouched = flat.clone()
+    assert not _apply_top_p_among_candidates(flat, torch.tensor([0.9, 0.9]))
+    assert torch.equal(flat, untouched)

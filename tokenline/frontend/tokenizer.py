@@ -292,7 +292,9 @@ class Tokenizer:
             raise ChatTemplateError(
                 f"model has several chat templates and no default: {sorted(self._chat_templates)}"
             )
-        raise ChatTemplateError("model has no chat template")
+        # As vLLM: no default template is made up (a pretrained model's file often has none).
+        raise ChatTemplateError("the model has no chat template: start the server with --chat-template (a file "
+                                "or an inline Jinja template), or send a plain prompt to /v1/completions")
 
     def render_chat(
         self,

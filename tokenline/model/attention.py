@@ -4,6 +4,10 @@ The KV cache of one layer is a tensor ``[2, num_blocks, block_size, kv_heads, he
 sequence's keys live in the blocks its block table lists; a token at position ``p`` sits in slot
 ``table[p // block_size] * block_size + p % block_size``. The per-step layout of the flat batch
 travels in ``AttentionMetadata``, built by the runner: model code never sees requests.
+
+A sliding-window layer (``window``) attends to the last ``window`` positions of each query, its own
+included; every path here reads only those, so the blocks before a sequence's window may be freed
+and its table entries there point anywhere.
 """
 
 from __future__ import annotations
@@ -70,10 +74,18 @@ def paged_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D]."""
+    """Write this step's K/V into the cache, then attend. q: [T, H, D]; k, v: [T, KVH, D].
+    ``window``: each query sees only its last ``window`` positions (None or 0: all); ``scale``: the
+    scores' factor (default 1/sqrt(head_dim))."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    # The layer's own window, or its KV cache group's (the runner's metadata for that group).
+    window = window or meta.window or None
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
     # A bfloat16 cache beside float32 activations (--kv-cache-dtype) stores rounded K/V; every read
     # below widens them back to the queries' dtype.
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
@@ -82,10 +94,6 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     kernels = cpu_kernels.load() if q.device.type == "cpu" else None
-    # The C kernels here take no window yet: a windowed layer attends on the torch path (whose
-    # masks below zero every K/V row the window hides: a freed block's slot may hold garbage).
-    if kernels is not None and meta.window is not None:
-        kernels = None
     if num_decode and kernels is not None and meta.decode_context_lens is not None:
         # Reads each sequence's blocks in place: no padded copy of the history per layer.
         query = q[:num_decode]
@@ -93,73 +101,63 @@ def paged_attention(
             query = query.contiguous()
         out[:num_decode] = kernels.decode_attention(
             query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-            meta.max_decode_context_len, 1.0 / math.sqrt(head_dim),
+            meta.max_decode_context_len, scale, window,
         )
     elif num_decode:
         keys = _gather_tables(k_cache, meta.decode_block_tables).to(q.dtype)
         values = _gather_tables(v_cache, meta.decode_block_tables).to(q.dtype)
-        if meta.window is not None:
-            hidden = ~meta.decode_mask[:, 0, 0, :, None].unsqueeze(1)  # [D, 1, cols, 1]
-            keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
         query = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
+        mask = meta.decode_mask
+        if window is not None and mask is not None and meta.decode_context_lens is not None:
+            cols = torch.arange(mask.shape[-1], device=q.device)
+            first = (meta.decode_context_lens - window).clamp(min=0)
+            mask = mask & (cols[None, :] >= first[:, None])[:, None, None, :]
+            # A freed block's slot may hold anything (even NaN), and a masked score still multiplies
+            # its value: zero every row the window hides.
+            hidden = ~mask[:, 0, 0, :, None].unsqueeze(1)  # [D, 1, cols, 1]
+            keys, values = keys.masked_fill(hidden, 0), values.masked_fill(hidden, 0)
         attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
         out[:num_decode] = attended.squeeze(2)
 
     if meta.prefills and kernels is not None and kernels.has_avx512bf16 and q.dtype == torch.bfloat16:
         if meta.prefill_spans is None:
             meta.prefill_spans = prefill_spans(meta.prefills)
-        if kernels.prefill_attention_bf16_(q, k_cache, v_cache, meta.prefill_spans, 1.0 / math.sqrt(head_dim), out):
+        if kernels.prefill_attention_bf16_(q, k_cache, v_cache, meta.prefill_spans, scale, out, window):
             return out
-    if len(meta.prefills) > 1 and meta.window is None and batches_prefills(meta.prefills, q):
-        prefill_batched(q, k, v, k_cache, v_cache, meta.prefills, out)
+    if len(meta.prefills) > 1 and batches_prefills(meta.prefills, q, window):
+        prefill_batched(q, k, v, k_cache, v_cache, meta.prefills, out, scale)
         return out
     for span in meta.prefills:
         end = span.start + span.num_tokens
         query = q[span.start : end].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
-        if meta.window is not None:
-            attended = _windowed_span(query, k, v, k_cache, v_cache, span, meta.window)
-        elif span.context_len == span.num_tokens:
-            # Nothing cached before this chunk: attend to its own fresh K/V, plainly causal.
+        offset = span.context_len - span.num_tokens  # the chunk's first position
+        # The first key any query of the chunk sees: older blocks are not read at all.
+        first = max(0, offset - window + 1) if window is not None else 0
+        if span.context_len == span.num_tokens and (window is None or span.num_tokens <= window):
+            # Nothing cached before this chunk and no key leaves a window: its own fresh K/V, plainly causal.
             keys = k[span.start : end].transpose(0, 1).unsqueeze(0)
             values = v[span.start : end].transpose(0, 1).unsqueeze(0)
-            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            keys = _gather(k_cache, span).unsqueeze(0).to(q.dtype)
-            values = _gather(v_cache, span).unsqueeze(0).to(q.dtype)
-            # Token i of the chunk sits at position (context_len - num_tokens + i) and sees keys up to it.
-            offset = span.context_len - span.num_tokens
+            if span.context_len == span.num_tokens:
+                keys, values = k[span.start : end].transpose(0, 1), v[span.start : end].transpose(0, 1)
+            else:
+                keys = _gather(k_cache, span, first).to(q.dtype)
+                values = _gather(v_cache, span, first).to(q.dtype)
+            # Token i of the chunk sits at position (offset + i) and sees keys up to it (and, in a
+            # window, after offset + i - window).
             rows = torch.arange(span.num_tokens, device=q.device)[:, None] + offset
-            cols = torch.arange(span.context_len, device=q.device)[None, :]
+            cols = torch.arange(first, span.context_len, device=q.device)[None, :]
+            mask = cols <= rows
+            if window is not None:
+                mask &= cols > rows - window
             attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=cols <= rows, enable_gqa=True
+                query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
             )
         out[span.start : end] = attended[0].transpose(0, 1)
     return out
-
-
-def _windowed_span(
-    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    span: PrefillSpan, window: int,
-) -> torch.Tensor:
-    """A span of a sliding-window layer: token i at position p sees positions p - window < j <= p."""
-    offset = span.context_len - span.num_tokens
-    if offset == 0:
-        end = span.start + span.num_tokens
-        keys = k[span.start : end].transpose(0, 1).unsqueeze(0)
-        values = v[span.start : end].transpose(0, 1).unsqueeze(0)
-    else:
-        keys = _gather(k_cache, span).unsqueeze(0).to(query.dtype)
-        values = _gather(v_cache, span).unsqueeze(0).to(query.dtype)
-        # Rows no query sees (freed blocks read as block 0) may hold anything: zero them.
-        unseen = max(0, offset - window + 1)
-        keys[:, :, :unseen] = 0
-        values[:, :, :unseen] = 0
-    rows = torch.arange(span.num_tokens, device=query.device)[:, None] + offset
-    cols = torch.arange(span.context_len, device=query.device)[None, :]
-    mask = (cols <= rows) & (cols > rows - window)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 def prefill_spans(spans: list[PrefillSpan]) -> cpu_kernels.PrefillSpans:
@@ -180,6 +178,10 @@ def _gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(num_seqs, width * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def _gather(cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-    """The first ``context_len`` cached rows of a sequence as [KVH, context_len, Dh]."""
-    return cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len].transpose(0, 1)
+def _gather(cache: torch.Tensor, span: PrefillSpan, first: int = 0) -> torch.Tensor:
+    """Cached rows ``first .. context_len`` of a sequence as [KVH, context_len - first, Dh], reading
+    only the blocks that hold them."""
+    block_size = cache.shape[1]
+    skip = first // block_size
+    rows = cache.index_select(0, span.block_table[skip : (span.context_len + block_size - 1) // block_size])
+    return rows.flatten(0, 1)[first - skip * block_size : span.context_len - skip * block_size].transpose(0, 1)

@@ -57,6 +57,10 @@ class ModelConfig:
         generation = json.loads(generation_path.read_text()) if generation_path and generation_path.exists() else {}
         heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or None)
+        if isinstance(rope_scaling, dict) and isinstance(rope_scaling.get("full_attention"), dict):
+            # RoPE per layer type (Gemma 3): the trunk's is the full-attention layers'; a model with
+            # sliding layers reads theirs from ``raw``.
+            rope_scaling = dict(rope_scaling["full_attention"])
         rope_theta = raw.get("rope_theta")
         if rope_theta is None and isinstance(rope_scaling, dict):
             rope_theta = rope_scaling.get("rope_theta")

@@ -114,7 +114,7 @@ class CpuKernels:
         lib.tl_linear_bf16_blocked.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
         lib.tl_linear_bf16_blocked.restype = None
         lib.tl_decode_attention.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
-                                            ctypes.c_float]
+                                            ctypes.c_float, _I]
         lib.tl_decode_attention.restype = None
         lib.tl_rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
         lib.tl_rms_norm_bf16.restype = None
@@ -135,7 +135,7 @@ class CpuKernels:
                                              _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
         lib.tl_decode_layer_bf16.restype = None
         lib.tl_prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_float,
-                                                  _P]
+                                                  _I, _P]
         lib.tl_prefill_attention_bf16.restype = ctypes.c_int
         lib.tl_silu_mul_bf16.argtypes = [_P, _P, _I, _I]
         lib.tl_silu_mul_bf16.restype = None
@@ -273,10 +273,12 @@ class CpuKernels:
         context_lens: torch.Tensor,
         max_context_len: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One query token per sequence attending to its paged cache. q [D, H, Dh];
         caches [blocks, block_size, KVH, Dh] in q's dtype or bfloat16; block_tables [D, width] and
-        context_lens [D] int64."""
+        context_lens [D] int64. ``window``: a query sees only its last ``window`` positions (its own
+        included) and older blocks are never read; None or 0: all of them."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         code, kv_code = _DTYPE_CODES.get(q.dtype), kv_dtype_code(k_cache, v_cache, q.dtype)
@@ -292,14 +294,16 @@ class CpuKernels:
         self._lib.tl_decode_attention(
             code, kv_code, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-            block_size, max(1, max_context_len), scale,
+            block_size, max(1, max_context_len), scale, window or 0,
         )
         return out
 
     def prefill_attention_bf16_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                spans: PrefillSpans, scale: float, out: torch.Tensor) -> bool:
+                                spans: PrefillSpans, scale: float, out: torch.Tensor,
+                                window: int | None = None) -> bool:
         """Causal attention of prefill spans over their paged bfloat16 cache (this step's K/V already
-        in it), written into their rows of ``out``. q [T, H, Dh] heads-contiguous, out [T, H, Dh]
+        in it), written into their rows of ``out`` (``window``: each query sees only its last
+        ``window`` positions, as decode_attention). q [T, H, Dh] heads-contiguous, out [T, H, Dh]
         contiguous. False (nothing written) where this build or shape has no kernel: use SDPA."""
         _, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -312,7 +316,7 @@ class CpuKernels:
         done = self._lib.tl_prefill_attention_bf16(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_heads, num_kv_heads,
             head_dim, spans.count, spans.starts.data_ptr(), spans.num_tokens.data_ptr(), spans.context_lens.data_ptr(),
-            spans.block_tables.data_ptr(), spans.block_tables.shape[1], scale, out.data_ptr(),
+            spans.block_tables.data_ptr(), spans.block_tables.shape[1], scale, window or 0, out.data_ptr(),
         )
         if done < 0:
             raise MemoryError("prefill_attention_bf16_: scratch allocation failed")

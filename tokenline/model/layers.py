@@ -379,16 +379,23 @@ def _quantize_linears(model: nn.Module, fmt: str, head: Linear | None, tied: boo
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul; GeGLU with
+    ``activation="gelu_pytorch_tanh"`` (Gemma: tanh-approximated GELU in place of silu)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"MLP activation {activation!r} is not supported")
+        self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.activation != "silu":
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.is_contiguous():
             kernels = cpu_kernels.load()
             if kernels is not None:
@@ -401,15 +408,19 @@ class Attention(nn.Module):
     """Softmax self-attention over the paged KV cache, for every model.
 
     q, k and v come from one fused projection. Options cover the families we serve: a per-head
-    ``qk_norm`` before RoPE (Qwen3 plain, Qwen3.5 zero-centred), partial RoPE (cos/sin narrower
-    than a head) and an ``output_gate``, where q_proj yields [query | gate] per head and the output
-    is ``o_proj(attn * sigmoid(gate))`` (Qwen3.5).
+    ``qk_norm`` before RoPE (Qwen3 plain, Qwen3.5 and Gemma 3 zero-centred), partial RoPE (cos/sin
+    narrower than a head), an ``output_gate``, where q_proj yields [query | gate] per head and the
+    output is ``o_proj(attn * sigmoid(gate))`` (Qwen3.5), a sliding ``window`` (the last ``window``
+    positions, its own included) and a score ``scale`` other than 1/sqrt(head_dim) (Gemma 3).
     """
 
     def __init__(
-        self, config: ModelConfig, *, qk_norm: type[RMSNorm] | None = None, output_gate: bool = False
+        self, config: ModelConfig, *, qk_norm: type[RMSNorm] | None = None, output_gate: bool = False,
+        window: int | None = None, scale: float | None = None,
     ) -> None:
         super().__init__()
+        self.window = window
+        self.scale = scale
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -449,7 +460,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if kernels is None:
             q, k = apply_rotary(q, k, cos_sin)
-        out = paged_attention(q, k, v, kv_cache, meta).flatten(1)
+        out = paged_attention(q, k, v, kv_cache, meta, self.window, self.scale).flatten(1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -43,9 +43,13 @@ BATCHED_PREFILL_MIN_SPANS = 8
 BATCHED_PREFILL_MAX_QUERY_BYTES = 12 * 1024
 
 
-def batches_prefills(spans: list[PrefillSpan], q: torch.Tensor) -> bool:
-    """Whether ``prefill_batched`` beats one call per span for these spans (q: [T, H, D])."""
+def batches_prefills(spans: list[PrefillSpan], q: torch.Tensor, window: int | None = None) -> bool:
+    """Whether ``prefill_batched`` beats one call per span for these spans (q: [T, H, D]). Not where a
+    span's context passes a sliding ``window``: its blocks before the window may be freed, and the
+    batch reads every block of each table."""
     if len(spans) < BATCHED_PREFILL_MIN_SPANS:
+        return False
+    if window and max(s.context_len for s in spans) > window:
         return False
     longest = max(s.num_tokens for s in spans)
     if longest * q.shape[1] * q.shape[2] * q.element_size() > BATCHED_PREFILL_MAX_QUERY_BYTES:
@@ -61,6 +65,7 @@ def prefill_batched(
     v_cache: torch.Tensor,
     spans: list[PrefillSpan],
     out: torch.Tensor,
+    scale: float | None = None,
 ) -> None:
     """Attend every span in one SDPA and write the rows of ``out`` they own.
 
@@ -77,7 +82,7 @@ def prefill_batched(
         keys = pad_sequence([k[s.start : s.start + s.num_tokens] for s in spans], batch_first=True)
         values = pad_sequence([v[s.start : s.start + s.num_tokens] for s in spans], batch_first=True)
         attended = F.scaled_dot_product_attention(
-            query, keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, enable_gqa=True
+            query, keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
         )
     else:
         blocks, unwritten = _context_layout(spans, k_cache.shape[1], device)
@@ -87,7 +92,7 @@ def prefill_batched(
         offsets = torch.tensor([s.context_len - s.num_tokens for s in spans], device=device)
         seen = torch.arange(longest, device=device)[None, :] + offsets[:, None]  # [B, Lq]
         mask = torch.arange(keys.shape[2], device=device)[None, None, :] <= seen[:, :, None]
-        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
 
     per_span = attended.transpose(1, 2)  # [B, Lq, H, D]
     first, last = spans[0], spans[-1]

