@@ -27,6 +27,7 @@ from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.model.config import ModelConfig
+from tokenline.model.kv_groups import group_windows, kv_block_bytes
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.accelerator import AcceleratorCost, AcceleratorStepModel, accelerator_cost
 from tokenline.sim.machine import Machine
@@ -200,9 +201,12 @@ class _SplitRecorder:
 
     def predict(self, f: StepFeatures) -> float:
         total = self.model.predict(f)
-        alone_p = self.model.predict(StepFeatures(f.prefill_tokens, 0, 0, f.prefill_attention_pairs)) \
+        windowed = f.windowed_context_tokens is not None
+        alone_p = self.model.predict(StepFeatures(f.prefill_tokens, 0, 0, f.prefill_attention_pairs,
+                                                  0 if windowed else None, f.windowed_attention_pairs)) \
             if f.prefill_tokens else 0.0
-        alone_d = self.model.predict(StepFeatures(0, f.decode_seqs, f.attended_context_tokens)) \
+        alone_d = self.model.predict(StepFeatures(0, f.decode_seqs, f.attended_context_tokens, 0,
+                                                  f.windowed_context_tokens, 0 if windowed else None)) \
             if f.decode_seqs else 0.0
         share = alone_p / (alone_p + alone_d) if alone_p + alone_d > 0 else 0.0
         self.prefill_s += total * share
@@ -259,14 +263,16 @@ def workload(forecast: Forecast, rps: float, num_requests: int, vocab: int, max_
 def run_open_loop(model: AcceleratorStepModel, requests: list[_Request], num_kv_blocks: int, max_num_seqs: int,
                   max_num_batched_tokens: int, max_model_len: int, num_state_slots: int, vocab: int,
                   request_overhead_s: float, offered_rps: float, block_size: int = 16,
-                  num_checkpoints: int = 0) -> LoadPoint:
+                  num_checkpoints: int = 0, windows: tuple[int | None, ...] = (None,)) -> LoadPoint:
     """One replica (the real scheduler and KV books on a simulated clock) under ``requests``, sent
-    at ``offered_rps``."""
+    at ``offered_rps``. ``windows``: the model's KV cache groups (``kv_groups.group_windows``)."""
     clock = SimClock()
     recorder = _SplitRecorder(model)
     kv = KVCacheManager(num_kv_blocks, block_size, True, num_state_slots, num_checkpoints=num_checkpoints,
-                        checkpoint_interval=4 * block_size if num_checkpoints else 0)
-    core = EngineCore(PlaceholderRunner(clock, recorder, vocab), kv,
+                        checkpoint_interval=4 * block_size if num_checkpoints else 0, group_windows=windows,
+                        max_chunk_tokens=max_num_batched_tokens)
+    sliding = min((w for w in windows if w is not None), default=None)
+    core = EngineCore(PlaceholderRunner(clock, recorder, vocab, sliding_window=sliding), kv,
                       SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len), clock=clock)
     first: dict[int, float] = {}
@@ -321,6 +327,7 @@ class Replica:
     vocab: int
     request_overhead_s: float
     num_checkpoints: int = 0  # hybrid models' state checkpoints (prefix caching)
+    windows: tuple[int | None, ...] = (None,)  # per KV cache group, its sliding window (kv_groups)
 
 
 def build_replica(config: ModelConfig, cost: AcceleratorCost, machine: Machine, tp: int, max_num_seqs: int,
@@ -331,13 +338,13 @@ def build_replica(config: ModelConfig, cost: AcceleratorCost, machine: Machine, 
     # A hybrid model's prefix caching needs state checkpoints (serve's default: 2 per sequence slot).
     checkpoints = 2 * max_num_seqs if config.is_hybrid else 0
     left = usable - cost.cost.weight_bytes - (slots + checkpoints) * cost.cost.state_bytes_per_sequence
-    blocks = int(left // (cost.cost.kv_bytes_per_token * block_size)) if left > 0 else 0
+    blocks = int(left // kv_block_bytes(config, cost.cost.kv_bytes_per_token, block_size)) if left > 0 else 0
     if blocks < 1:
         return None
     overhead = (machine.request_overhead_ms or 0.0) / 1e3
     return Replica(AcceleratorStepModel(cost, machine, tp), blocks, slots,
                    min(max_model_len or config.max_position_embeddings, config.max_position_embeddings),
-                   config.vocab_size, overhead, checkpoints)
+                   config.vocab_size, overhead, checkpoints, tuple(group_windows(config)))
 
 
 def measure(replica: Replica, forecast: Forecast, rps: float, num_requests: int, max_num_seqs: int,
@@ -345,7 +352,7 @@ def measure(replica: Replica, forecast: Forecast, rps: float, num_requests: int,
     requests = workload(forecast, rps, num_requests, replica.vocab, replica.max_model_len, seed)
     return run_open_loop(replica.model, requests, replica.num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                          replica.max_model_len, replica.num_state_slots, replica.vocab, replica.request_overhead_s, rps,
-                         num_checkpoints=replica.num_checkpoints)
+                         num_checkpoints=replica.num_checkpoints, windows=replica.windows)
 
 
 def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast: Forecast, slo: Slo,
