@@ -100,3 +100,28 @@ def test_the_sliding_window_fits_more_sequences_and_serves_more_per_replica() ->
                        tensor_parallel_size=1) for c, name in ((sliding, "sliding"), (full, "global"))]
     assert s.chosen.saturated_rps > 1.1 * g.chosen.saturated_rps
     assert s.chosen.capacity_rps > g.chosen.capacity_rps and s.cost_per_m_output < g.cost_per_m_output
+
+
+def test_simulate_what_if_of_a_sliding_model_on_a_gpu_uses_its_kv_groups(tmp_path: Path) -> None:
+    from tokenline.model.model_store import resolve_model
+    from tokenline.sim.profile import Profile
+    from tokenline.sim.sim_target import WhatIf, resolve_target
+    from tokenline.sim.simulate import SimConfig, simulate
+    from tokenline.sim.step_model import StepModel
+
+    config = json.loads((resolve_model(None, progress=False) / "config.json").read_text())
+    profile = Profile(step_model=StepModel(a=0.040, b=0.003, c=0.012, d=7e-6), model="small", dtype="float32",
+                      machine={"memory_bandwidth_gbps": 8.0, "matmul_gflops": 47.0},
+                      vocab_size=config["vocab_size"], max_model_len=8192, kv_bytes_per_token=46080,
+                      model_config=config)
+    global_path = tmp_path / "all-global.json"
+    raw = json.loads(SLIDING.read_text())
+    raw.pop("sliding_window")
+    global_path.write_text(json.dumps({**raw, "layer_types": ["full_attention"] * 62}))
+    s = resolve_target(profile, WhatIf(model_config=str(SLIDING), machine="h200"), 64, 16)
+    g = resolve_target(profile, WhatIf(model_config=str(global_path), machine="h200"), 64, 16)
+    assert s.windows == tuple(group_windows(configs()[0])) and s.sliding_window == 1024 and g.windows == (None,)
+    assert s.num_kv_blocks == pytest.approx(31 * g.num_kv_blocks, rel=1e-3)
+    run = simulate(profile, SimConfig(concurrency=4, num_prompts=4, input_len=2048, output_len=4,
+                                      model_config=str(SLIDING), machine="h200")).to_dict()
+    assert run["completed"] == 4 and run["p50_tpot_ms"] > 0
