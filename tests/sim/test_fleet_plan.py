@@ -111,3 +111,14 @@ def test_concurrent_users_become_requests_per_second_by_littles_law() -> None:
 def test_the_memory_plan_still_works(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", LLAMA_8B, "--memory", "80"]) == 0
     assert "sequences of 4096 tokens that fit" in capsys.readouterr().out
+
+
+def test_a_wider_group_that_cannot_be_cheaper_is_not_swept_and_the_plan_counts_its_steps() -> None:
+    plan = small_plan(LLAMA_8B, "h100", 2.0)
+    # One H100 holds the 8B model; two of them cannot serve twice the requests of one, so the
+    # second degree stops after its saturated run, and says so.
+    assert [c.tp for c in plan.candidates] == [1] and plan.chosen.tp == 1
+    assert any("not swept" in n and "tensor-parallel 2" in n for n in plan.notes)
+    swept = sum(c.steps for c in plan.candidates) + plan.peak.steps + plan.off_peak.steps
+    assert plan.peak.steps > 0 and plan.simulated_steps > swept  # the tp 2 saturated run counted too
+    assert f"simulated: {plan.simulated_steps:,} engine steps" in plan.format()

@@ -59,3 +59,17 @@ def sliding_blocks_needed(window: int, block_size: int, num_query_tokens: int = 
     """The most blocks a sliding group holds for a sequence while ``num_query_tokens`` are computed
     in one step: the window's ``window - 1`` earlier positions plus the step's own, at any alignment."""
     return -(-(window - 1 + num_query_tokens) // block_size) + 1
+
+
+def group_windows(config: ModelConfig) -> list[int | None]:
+    """Per KV cache group, its window (None: full attention): the KV cache manager's ``group_windows``."""
+    return [g.window for g in kv_groups(config)]
+
+
+def kv_block_bytes(config: ModelConfig, kv_bytes_per_token: int, block_size: int) -> int:
+    """Bytes of one pool block: ``block_size`` tokens of K/V for one group's layers, from
+    ``kv_bytes_per_token`` over every attention layer (the engine's pool and the simulators' alike)."""
+    groups = kv_groups(config)
+    if len(groups) > 1:
+        kv_bytes_per_token = kv_bytes_per_token * len(groups[0].layers) // config.num_full_attention_layers
+    return kv_bytes_per_token * block_size

@@ -16,7 +16,7 @@ from tokenline.model.batch import SampledToken, ScheduledBatch, ScheduledSeq, To
 from tokenline.model.config import ModelConfig
 from tokenline.model.gated_deltanet import copy_state_slots
 from tokenline.model.interface import Cache
-from tokenline.model.kv_groups import kv_groups
+from tokenline.model.kv_groups import group_windows, kv_block_bytes
 from tokenline.model.loader import load_model
 from tokenline.model.mtp_drafter import MtpDrafter
 from tokenline.model.prefill_attention import PrefillSpan
@@ -50,7 +50,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size or self.config.vocab_size)
         self.kv_caches: list[Cache] = []
         self.block_size = 0
-        self.kv_group_windows = [g.window for g in kv_groups(self.config)]
+        self.kv_group_windows = group_windows(self.config)
         self.mtp: MtpDrafter | None = None
         if mtp_speculative_tokens:
             self.mtp = MtpDrafter(self.model, mtp_speculative_tokens, self.sampler.vocab_size,  # type: ignore[arg-type]
@@ -60,12 +60,10 @@ class ModelRunner:
         """Bytes of one pool block: ``block_size`` tokens of K/V for the layers of one KV cache
         group (all attention layers when there is one group)."""
         per_token = type(self.model).kv_bytes_per_token(self.config, self.kv_dtype.itemsize)
-        groups = kv_groups(self.config)
-        if len(groups) > 1:
-            per_token = per_token * len(groups[0].layers) // self.config.num_full_attention_layers
+        block = kv_block_bytes(self.config, per_token, block_size)
         if self.mtp is not None:  # the MTP layers' own KV lives in the same blocks
-            per_token += self.mtp.kv_bytes_per_token(self.kv_dtype.itemsize)
-        return per_token * block_size
+            block += self.mtp.kv_bytes_per_token(self.kv_dtype.itemsize) * block_size
+        return block
 
     def state_bytes_per_sequence(self) -> int:
         return type(self.model).state_bytes_per_sequence(self.config, self.dtype.itemsize)

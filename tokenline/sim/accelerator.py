@@ -10,7 +10,8 @@ query-key pairs Q; N = P + D tokens, S = sequences sampled) of a model split ove
     comm      = layers · 2 · (all-reduce latency + 2 · (tp − 1)/tp · N · hidden · 2 B / link)   (tp > 1)
     step      = step overhead + layers · layer overhead + linears + lm head + attention + comm
 
-bw, peak and link are the datasheet's (``machines/*.json``); η are achieved fractions and the
+(on a sliding-window model C and Q are averaged over the attention layers, each sliding layer's
+counted at its window: ``ModelCost.attended``). bw, peak and link are the datasheet's (``machines/*.json``); η are achieved fractions and the
 overheads fixed costs, one set for every GPU, taken from published measurements (docs/operate/planner.md):
 nothing here reads this machine's calibration, so a GPU prediction does not move when this CPU is
 calibrated again. The LM head runs on the sampled rows only (vLLM computes logits for the last
@@ -75,14 +76,13 @@ class AcceleratorStepModel:
         sampled = f.decode_seqs + (1 if f.prefill_tokens else 0)  # a step's prefill chunks end in ~one sample
         body = self.model.body_params
         head = self.model.head_params
+        context, pairs = c.attended(f)  # sliding-window layers read their window only
         parts = {
             "fixed": (m.step_overhead_ms or 0.0) / 1e3 + c.num_layers * m.layer_overhead_us / 1e6,
             "linears": max(body * size / bw, 2 * tokens * body / mm) / self.tp,
             "lm_head": max(head * size / bw, 2 * sampled * head / mm) / self.tp if sampled else 0.0,
-            "attention": ((f.attended_context_tokens * c.kv_bytes_per_token
-                           + 2 * f.decode_seqs * c.state_bytes_per_sequence) / bw
-                          + (f.attended_context_tokens + f.prefill_attention_pairs)
-                          * c.attention_flops_per_context_token / attn) / self.tp,
+            "attention": ((context * c.kv_bytes_per_token + 2 * f.decode_seqs * c.state_bytes_per_sequence) / bw
+                          + (context + pairs) * c.attention_flops_per_context_token / attn) / self.tp,
             "comm": 0.0,
         }
         if self.tp > 1:

@@ -192,7 +192,8 @@ def calibrate(
     batches = design.decode_batches
     knots = tuple(sorted(b for b in set(batches) if min(batches) < b < max(batches)))
     step_model = fit_step_model(features, durations, knots, design.prefill_knots)
-    kv_bytes_per_token = runner.kv_bytes_per_block(config.block_size) // config.block_size
+    # Every attention layer's KV of one token (a pool block holds one KV cache group's: kv_block_bytes).
+    kv_bytes_per_token = type(runner.model).kv_bytes_per_token(model_config, runner.kv_dtype.itemsize)
     machine = machine_info(device)
     machine.update(measure_roofline(runner.dtype))
     dtype_name = str(runner.dtype).removeprefix("torch.")

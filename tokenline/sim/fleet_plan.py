@@ -27,6 +27,7 @@ from tokenline.engine.kv_cache_manager import KVCacheManager
 from tokenline.engine.messages import EngineRequest
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.model.config import ModelConfig
+from tokenline.model.kv_groups import group_windows, kv_block_bytes
 from tokenline.sampling_params import SamplingParams
 from tokenline.sim.accelerator import AcceleratorCost, AcceleratorStepModel, accelerator_cost
 from tokenline.sim.machine import Machine
@@ -106,6 +107,7 @@ class LoadPoint:
     prefill_share: float  # of the replica's busy step time, what the model prices for prefill
     busy_share: float  # of the run's time, the replica was stepping
     prefix_hit_rate: float
+    steps: int = 0  # engine steps the run simulated
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Candidate:
     saturated_rps: float
     curve: list[LoadPoint]
     capacity_rps: float  # the highest load on the curve that meets the SLOs (0: none does)
+    steps: int = 0  # engine steps simulated for it (its saturated run and its curve)
 
     def gpu_hours_per_request(self) -> float:
         return math.inf if self.capacity_rps <= 0 else self.tp / (self.capacity_rps * 3600)
@@ -145,6 +148,7 @@ class FleetPlan:
     hosted_daily_cost: float
     weights_gb: float
     notes: list[str] = field(default_factory=list)
+    simulated_steps: int = 0  # engine steps of every run the plan simulated
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,6 +183,7 @@ class FleetPlan:
         ]
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        lines.append(f"simulated: {self.simulated_steps:,} engine steps")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -200,9 +205,12 @@ class _SplitRecorder:
 
     def predict(self, f: StepFeatures) -> float:
         total = self.model.predict(f)
-        alone_p = self.model.predict(StepFeatures(f.prefill_tokens, 0, 0, f.prefill_attention_pairs)) \
+        windowed = f.windowed_context_tokens is not None
+        alone_p = self.model.predict(StepFeatures(f.prefill_tokens, 0, 0, f.prefill_attention_pairs,
+                                                  0 if windowed else None, f.windowed_attention_pairs)) \
             if f.prefill_tokens else 0.0
-        alone_d = self.model.predict(StepFeatures(0, f.decode_seqs, f.attended_context_tokens)) \
+        alone_d = self.model.predict(StepFeatures(0, f.decode_seqs, f.attended_context_tokens, 0,
+                                                  f.windowed_context_tokens, 0 if windowed else None)) \
             if f.decode_seqs else 0.0
         share = alone_p / (alone_p + alone_d) if alone_p + alone_d > 0 else 0.0
         self.prefill_s += total * share
@@ -259,21 +267,23 @@ def workload(forecast: Forecast, rps: float, num_requests: int, vocab: int, max_
 def run_open_loop(model: AcceleratorStepModel, requests: list[_Request], num_kv_blocks: int, max_num_seqs: int,
                   max_num_batched_tokens: int, max_model_len: int, num_state_slots: int, vocab: int,
                   request_overhead_s: float, offered_rps: float, block_size: int = 16,
-                  num_checkpoints: int = 0) -> LoadPoint:
+                  num_checkpoints: int = 0, windows: tuple[int | None, ...] = (None,)) -> LoadPoint:
     """One replica (the real scheduler and KV books on a simulated clock) under ``requests``, sent
-    at ``offered_rps``."""
+    at ``offered_rps``. ``windows``: the model's KV cache groups (``kv_groups.group_windows``)."""
     clock = SimClock()
     recorder = _SplitRecorder(model)
     kv = KVCacheManager(num_kv_blocks, block_size, True, num_state_slots, num_checkpoints=num_checkpoints,
-                        checkpoint_interval=4 * block_size if num_checkpoints else 0)
-    core = EngineCore(PlaceholderRunner(clock, recorder, vocab), kv,
+                        checkpoint_interval=4 * block_size if num_checkpoints else 0, group_windows=windows,
+                        max_chunk_tokens=max_num_batched_tokens)
+    sliding = min((w for w in windows if w is not None), default=None)
+    core = EngineCore(PlaceholderRunner(clock, recorder, vocab, sliding_window=sliding), kv,
                       SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len), clock=clock)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     tokens: dict[int, int] = {}
     done: set[int] = set()
-    cached = 0
+    cached = steps = 0
     i = 0
     while len(done) < len(requests):
         now = clock()
@@ -285,6 +295,7 @@ def run_open_loop(model: AcceleratorStepModel, requests: list[_Request], num_kv_
         if not core.has_unfinished_requests():
             clock.wait_until(requests[i].arrival + request_overhead_s)
             continue
+        steps += 1
         for out in core.step():
             k, now = int(out.request_id), clock()
             if out.new_token_ids:
@@ -307,7 +318,7 @@ def run_open_loop(model: AcceleratorStepModel, requests: list[_Request], num_kv_
         tpot_p50_ms=p["p50"] or 0.0, tpot_p99_ms=p["p99"] or 0.0,
         output_tok_s=sum(tokens.values()) / span, input_tok_s=prompt_tokens / span,
         prefill_share=recorder.prefill_s / busy if busy else 0.0, busy_share=min(1.0, recorder.busy_s / span),
-        prefix_hit_rate=cached / max(prompt_tokens, 1))
+        prefix_hit_rate=cached / max(prompt_tokens, 1), steps=steps)
 
 
 @dataclass(frozen=True)
@@ -321,6 +332,7 @@ class Replica:
     vocab: int
     request_overhead_s: float
     num_checkpoints: int = 0  # hybrid models' state checkpoints (prefix caching)
+    windows: tuple[int | None, ...] = (None,)  # per KV cache group, its sliding window (kv_groups)
 
 
 def build_replica(config: ModelConfig, cost: AcceleratorCost, machine: Machine, tp: int, max_num_seqs: int,
@@ -331,13 +343,13 @@ def build_replica(config: ModelConfig, cost: AcceleratorCost, machine: Machine, 
     # A hybrid model's prefix caching needs state checkpoints (serve's default: 2 per sequence slot).
     checkpoints = 2 * max_num_seqs if config.is_hybrid else 0
     left = usable - cost.cost.weight_bytes - (slots + checkpoints) * cost.cost.state_bytes_per_sequence
-    blocks = int(left // (cost.cost.kv_bytes_per_token * block_size)) if left > 0 else 0
+    blocks = int(left // kv_block_bytes(config, cost.cost.kv_bytes_per_token, block_size)) if left > 0 else 0
     if blocks < 1:
         return None
     overhead = (machine.request_overhead_ms or 0.0) / 1e3
     return Replica(AcceleratorStepModel(cost, machine, tp), blocks, slots,
                    min(max_model_len or config.max_position_embeddings, config.max_position_embeddings),
-                   config.vocab_size, overhead, checkpoints)
+                   config.vocab_size, overhead, checkpoints, tuple(group_windows(config)))
 
 
 def measure(replica: Replica, forecast: Forecast, rps: float, num_requests: int, max_num_seqs: int,
@@ -345,7 +357,7 @@ def measure(replica: Replica, forecast: Forecast, rps: float, num_requests: int,
     requests = workload(forecast, rps, num_requests, replica.vocab, replica.max_model_len, seed)
     return run_open_loop(replica.model, requests, replica.num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                          replica.max_model_len, replica.num_state_slots, replica.vocab, replica.request_overhead_s, rps,
-                         num_checkpoints=replica.num_checkpoints)
+                         num_checkpoints=replica.num_checkpoints, windows=replica.windows)
 
 
 def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast: Forecast, slo: Slo,
@@ -375,12 +387,19 @@ def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast:
             if replica is None:
                 continue
             smallest = smallest or tp
-            candidates.append(_sweep(replica, forecast, slo, tp, seqs, sweep_requests, max_num_batched_tokens, seed))
+            to_beat = min((c.gpu_hours_per_request() for c in candidates), default=math.inf)
+            candidates.append(_sweep(replica, forecast, slo, tp, seqs, sweep_requests, max_num_batched_tokens, seed,
+                                     to_beat))
     if not candidates:
         raise PlanError(f"{model_name}'s weights ({cost.cost.weight_bytes / 1e9:.0f} GB) leave no KV block on "
                         f"{' or '.join(str(d) for d in degrees)} x {machine.name} ({machine.memory_gb:g} GB each)")
+    notes: list[str] = []
     meeting = [c for c in candidates if c.capacity_rps > 0]
-    notes = []
+    skipped = [c for c in candidates if not c.curve]
+    if skipped:
+        notes.append("not swept (even saturated, fewer requests per GPU-hour than the chosen setting): "
+                     + ", ".join(f"tensor-parallel {c.tp} x max-num-seqs {c.max_num_seqs}" for c in skipped))
+    candidates = [c for c in candidates if c.curve]
     if not meeting:
         notes.append("no setting met the SLOs at any load tried: the plan sizes for the lowest load tried")
         for c in candidates:
@@ -417,17 +436,23 @@ def plan_fleet(config: ModelConfig, model_name: str, machine: Machine, forecast:
         max_num_batched_tokens=max_num_batched_tokens, block_size=16, peak=peak, off_peak=off_peak,
         off_peak_replicas=off_replicas, hourly_replicas=hourly, daily_cost=daily_cost,
         cost_per_m_input=cost_in, cost_per_m_output=cost_out, hosted_price=hosted_price,
-        hosted_daily_cost=hosted_daily, weights_gb=cost.cost.weight_bytes / 1e9, notes=notes)
+        hosted_daily_cost=hosted_daily, weights_gb=cost.cost.weight_bytes / 1e9, notes=notes,
+        simulated_steps=sum(c.steps for c in candidates + skipped) + peak.steps + off_peak.steps)
 
 
 def _sweep(replica: Replica, forecast: Forecast, slo: Slo, tp: int, max_num_seqs: int, num_requests: int,
-           max_num_batched_tokens: int, seed: int) -> Candidate:
-    """The saturated rate (every request at once), then open-loop loads at fractions of it."""
+           max_num_batched_tokens: int, seed: int, to_beat: float = math.inf) -> Candidate:
+    """The saturated rate (every request at once), then open-loop loads at fractions of it.
+    ``to_beat``: GPU-hours per request of a setting already swept; a setting that needs more even
+    at its saturated rate (which bounds its capacity) can never be chosen and gets no curve."""
     burst = measure(replica, forecast, 1e6, num_requests, max_num_seqs, max_num_batched_tokens, seed)
     saturated = burst.served_rps
+    if saturated <= 0 or tp / (saturated * 3600) > to_beat:
+        return Candidate(tp, max_num_seqs, replica.num_kv_blocks, saturated, [], 0.0, burst.steps)
     curve = [measure(replica, forecast, f * saturated, num_requests, max_num_seqs, max_num_batched_tokens, seed)
              for f in LOAD_FRACTIONS]
     # A short open-loop run at an offered rate above saturation has not yet built its queue: a
     # replica's capacity is never more than what it served with every request at once.
     capacity = min(max((p.rps for p in curve if slo.met(p)), default=0.0), saturated)
-    return Candidate(tp, max_num_seqs, replica.num_kv_blocks, saturated, curve, capacity)
+    return Candidate(tp, max_num_seqs, replica.num_kv_blocks, saturated, curve, capacity,
+                     burst.steps + sum(p.steps for p in curve))

@@ -33,7 +33,7 @@ class PlaceholderRunner:
 
     def __init__(self, clock: SimClock, step_model: StepTimeModel, vocab_size: int,
                  avoid_token_ids: frozenset[int] = frozenset(), step_overhead_s: float = 0.0,
-                 filler_token_id: int | None = None) -> None:
+                 filler_token_id: int | None = None, sliding_window: int | None = None) -> None:
         self.clock = clock
         self.step_model = step_model
         self.vocab_size = vocab_size
@@ -41,9 +41,10 @@ class PlaceholderRunner:
         self.avoid_token_ids = avoid_token_ids
         self.step_overhead_s = step_overhead_s  # a server's host time per step (the profile's)
         self.filler_token_id = filler_token_id
+        self.sliding_window = sliding_window  # the model's, for the step features (batch_features)
 
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
-        self.clock.advance(self.step_model.predict(batch_features(batch)) + self.step_overhead_s)
+        self.clock.advance(self.step_model.predict(batch_features(batch, self.sliding_window)) + self.step_overhead_s)
         out = {}
         for seq in batch.seqs:
             if not seq.sample:

@@ -24,7 +24,7 @@ class Profile:
     machine: dict[str, Any]  # platform, processor, CPU count, torch threads: where the fit holds
     vocab_size: int
     max_model_len: int
-    kv_bytes_per_token: int  # sizes the simulated KV pool from --kv-cache-memory
+    kv_bytes_per_token: int  # every attention layer's; sizes the simulated KV pool (kv_groups.kv_block_bytes)
     # Per request, outside the engine (HTTP, tokenize, detokenize, streaming): added to TTFT and E2E.
     request_overhead_s: float = 0.0
     num_steps: int = 0  # steps the fit used

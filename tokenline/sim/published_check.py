@@ -59,7 +59,7 @@ def predict(row: Row, base: Path) -> dict[str, float]:
         raise ValueError(f"{row.model_config} does not fit {row.tp} x {row.gpu}")
     target = SimTarget(replica.model, 0.0, Path(row.model_config).stem, config.vocab_size, replica.max_model_len,
                        replica.model.model.cost.kv_bytes_per_token, replica.num_kv_blocks, replica.num_state_slots,
-                       machine.name, request_overhead_s=replica.request_overhead_s)
+                       machine.name, request_overhead_s=replica.request_overhead_s, windows=replica.windows)
     sim = SimConfig(concurrency=row.concurrency, num_prompts=min(row.num_prompts, MAX_SIMULATED_PROMPTS),
                     input_len=row.input_len, output_len=row.output_len, max_num_seqs=VLLM_MAX_NUM_SEQS,
                     max_num_batched_tokens=VLLM_MAX_NUM_BATCHED_TOKENS, num_kv_blocks=replica.num_kv_blocks)

@@ -25,6 +25,7 @@ from tokenline.engine.messages import EngineRequest
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.model.batch import SampledToken, ScheduledBatch, TokenLogprobs
 from tokenline.model.config import ModelConfig
+from tokenline.model.kv_groups import group_windows, kv_block_bytes
 from tokenline.sim.placeholder_runner import PlaceholderRunner, SimClock
 from tokenline.sim.profile import Profile
 
@@ -100,11 +101,12 @@ def placeholder_avoid_ids(tokenizer_dir: Path, vocab_size: int) -> frozenset[int
     return frozenset(i for i in range(vocab_size) if i not in readable)
 
 
-def num_kv_blocks(profile: Profile, config: EngineConfig) -> int:
+def num_kv_blocks(profile: Profile, config: EngineConfig, model_config: ModelConfig) -> int:
     """``config.num_kv_blocks``, else the blocks the profile's model fits in ``kv_cache_memory_gib``."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    return int(config.kv_cache_memory_gib * GIB) // (profile.kv_bytes_per_token * config.block_size)
+    return int(config.kv_cache_memory_gib * GIB) // kv_block_bytes(model_config, profile.kv_bytes_per_token,
+                                                                    config.block_size)
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,12 @@ class SimulatedReplica:
         avoid = placeholder_avoid_ids(Path(config.tokenizer or model_dir), vocab_size) | eos
         clock = WallClock(self.speed)
         runner = ReplicaRunner(clock, self.profile, vocab_size, avoid)
-        num_blocks = num_kv_blocks(self.profile, config)
-        block_bytes = self.profile.kv_bytes_per_token * config.block_size
+        num_blocks = num_kv_blocks(self.profile, config, model_config)
+        block_bytes = kv_block_bytes(model_config, self.profile.kv_bytes_per_token, config.block_size)
         kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, 0, config.kv_cache_events,
-                                  cache_resident_blocks=config.cache_resident_blocks(num_blocks, block_bytes))
+                                  cache_resident_blocks=config.cache_resident_blocks(num_blocks, block_bytes),
+                                  group_windows=group_windows(model_config),
+                                  max_chunk_tokens=config.max_num_batched_tokens)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -43,6 +43,16 @@ class ModelCost:
     state_bytes_per_sequence: int
     attention_flops_per_context_token: int
     num_layers: int
+    sliding_share: float = 0.0  # of the attention layers, the sliding-window ones
+
+    def attended(self, f: StepFeatures) -> tuple[float, float]:
+        """The step's context tokens and query-key pairs as the attention layers read them on
+        average: sliding-window layers see at most their window (``StepFeatures.windowed_*``)."""
+        if not self.sliding_share or f.windowed_context_tokens is None:
+            return f.attended_context_tokens, f.prefill_attention_pairs
+        s = self.sliding_share
+        return ((1 - s) * f.attended_context_tokens + s * f.windowed_context_tokens,
+                (1 - s) * f.prefill_attention_pairs + s * (f.windowed_attention_pairs or 0))
 
 
 def model_cost(config: ModelConfig, dtype_size: int) -> ModelCost:
@@ -65,15 +75,17 @@ def model_cost(config: ModelConfig, dtype_size: int) -> ModelCost:
         attention_flops_per_context_token=4 * config.num_attention_heads * config.head_dim
         * config.num_full_attention_layers,
         num_layers=config.num_hidden_layers,
+        sliding_share=config.num_sliding_attention_layers / max(1, config.num_full_attention_layers),
     )
 
 
 def roofline_seconds(cost: ModelCost, machine: Machine, f: StepFeatures) -> float:
     """The lower bound on one step's time (the formula in the module docstring)."""
-    num_bytes = (cost.matmul_bytes + f.attended_context_tokens * cost.kv_bytes_per_token
+    context, pairs = cost.attended(f)
+    num_bytes = (cost.matmul_bytes + context * cost.kv_bytes_per_token
                  + 2 * f.decode_seqs * cost.state_bytes_per_sequence)
     flops = (2 * (f.prefill_tokens + f.decode_seqs) * cost.matmul_params
-             + (f.attended_context_tokens + f.prefill_attention_pairs) * cost.attention_flops_per_context_token)
+             + (context + pairs) * cost.attention_flops_per_context_token)
     return max(num_bytes / machine.bandwidth_bytes_per_s, flops / machine.peak_flops_per_s)
 
 

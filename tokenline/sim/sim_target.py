@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline.model.config import ModelConfig
+from tokenline.model.kv_groups import group_windows, kv_block_bytes
 from tokenline.sim.accelerator import AcceleratorStepModel, accelerator_cost
 from tokenline.sim.machine import DTYPE_SIZES, Machine, MachineError, load_machine, this_machine
 from tokenline.sim.profile import Profile
@@ -49,6 +50,11 @@ class SimTarget:
     machine: str
     weight_bytes: int | None = None  # known when a what-if counted the model
     request_overhead_s: float | None = None  # the machine's own (an accelerator's), else None: the profile's
+    windows: tuple[int | None, ...] = (None,)  # per KV cache group, its sliding window (kv_groups.group_windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return min((w for w in self.windows if w is not None), default=None)
 
     def describe(self) -> str:
         weights = "" if self.weight_bytes is None else f", weights {self.weight_bytes / 1e9:.1f} GB"
@@ -75,8 +81,9 @@ def read_model_config(spec: str) -> ModelConfig:
         raise ValueError(f"--model-config {spec}: lacks the field {exc.args[0]!r}") from None
 
 
-def _num_blocks(budget_bytes: int, kv_bytes_per_token: int, block_size: int) -> int:
-    return max(0, budget_bytes) // max(1, kv_bytes_per_token * block_size)
+def _num_blocks(budget_bytes: int, config: ModelConfig | None, kv_bytes_per_token: int, block_size: int) -> int:
+    block = kv_bytes_per_token * block_size if config is None else kv_block_bytes(config, kv_bytes_per_token, block_size)
+    return max(0, budget_bytes) // max(1, block)
 
 
 def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_size: int) -> SimTarget:
@@ -86,9 +93,11 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     served = scaled_step_model(profile.step_model, profile.step_scale)
     if what_if.model_config is None and what_if.machine in (None, "this"):
         budget = int((what_if.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB) * GIB)
-        blocks = what_if.num_kv_blocks or _num_blocks(budget, profile.kv_bytes_per_token, block_size)
+        config = ModelConfig.from_dict(profile.model_config) if profile.model_config else None
+        blocks = what_if.num_kv_blocks or _num_blocks(budget, config, profile.kv_bytes_per_token, block_size)
         return SimTarget(served, overhead, profile.model, profile.vocab_size, profile.max_model_len,
-                         profile.kv_bytes_per_token, blocks, 0, "this")
+                         profile.kv_bytes_per_token, blocks, 0, "this",
+                         windows=tuple(group_windows(config)) if config else (None,))
 
     source_machine = this_machine(profile.machine, profile.dtype)
     target_machine = source_machine if what_if.machine in (None, "this") else load_machine(what_if.machine)
@@ -120,7 +129,7 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     slots = max_num_seqs if target_config.is_hybrid else 0
     blocks = what_if.num_kv_blocks or _num_blocks(
         _cache_budget(target, target_machine, what_if.kv_cache_memory_gib) - slots * target.state_bytes_per_sequence,
-        target.kv_bytes_per_token, block_size)
+        target_config, target.kv_bytes_per_token, block_size)
     if blocks < 1:
         states = f" after {slots} state slots of {target.state_bytes_per_sequence / 1e6:.0f} MB" if slots else ""
         raise MachineError(f"no KV block ({target.kv_bytes_per_token * block_size:,} B) fits in the cache "
@@ -128,7 +137,7 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     name = profile.model if not what_if.model_config else _config_name(Path(what_if.model_config).expanduser())
     return SimTarget(step_model, overhead, name, target_config.vocab_size, target_config.max_position_embeddings,
                      target.kv_bytes_per_token, blocks, slots, target_machine.name, target.weight_bytes,
-                     request_overhead)
+                     request_overhead, tuple(group_windows(target_config)))
 
 
 def scaled_step_model(model: StepModel, scale: float) -> StepModel:

@@ -137,14 +137,15 @@ def build_sim_core(target: SimTarget, config: SimConfig, clock: SimClock, kv_eve
     """An EngineCore with the real scheduler and KV books, a pool of the target's blocks (and state
     slots, for a hybrid model), and the placeholder runner (sampling ``filler_token_id`` where given,
     see PlaceholderRunner). A fleet would build one per replica."""
-    kv_cache = KVCacheManager(target.num_kv_blocks, config.block_size, True, target.num_state_slots, kv_events)
+    kv_cache = KVCacheManager(target.num_kv_blocks, config.block_size, True, target.num_state_slots, kv_events,
+                              group_windows=target.windows, max_chunk_tokens=config.max_num_batched_tokens)
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=target.max_model_len,
     )
     runner = PlaceholderRunner(clock, target.step_model, target.vocab_size, step_overhead_s=target.step_overhead_s,
-                               filler_token_id=filler_token_id)
+                               filler_token_id=filler_token_id, sliding_window=target.sliding_window)
     return EngineCore(runner, kv_cache, scheduler_config, clock=clock)
 
 

@@ -48,6 +48,10 @@ class StepFeatures:
     decode_seqs: int
     attended_context_tokens: int  # per sequence, every position its new tokens attend to (the KV read)
     prefill_attention_pairs: int = 0  # prefill chunks' query-key pairs (ScheduledSeq.attention_pairs)
+    # Sliding-window models: the same two counted as a sliding layer sees them (each query's keys
+    # capped at the window). None: no window (every layer sees the whole context).
+    windowed_context_tokens: int | None = None
+    windowed_attention_pairs: int | None = None
 
     @property
     def unfused(self) -> int:
@@ -104,20 +108,35 @@ class StepModel:
                          None if self.b_fused is None else self.b_fused * pf, self.residual_rms_rel)
 
 
-def batch_features(batch: ScheduledBatch) -> StepFeatures:
+def batch_features(batch: ScheduledBatch, window: int | None = None) -> StepFeatures:
     """The features of a scheduled batch: a sequence computing one token past its prompt decodes
-    (drafts beside it count as prefill tokens here); any other chunk is prefill."""
-    prefill = decode = context = pairs = 0
+    (drafts beside it count as prefill tokens here); any other chunk is prefill. ``window``: the
+    model's sliding window, whose layers' share of the attention is counted apart."""
+    prefill = decode = context = pairs = windowed = windowed_pairs = 0
     for seq in batch.seqs:
         n = len(seq.token_ids)
-        if n - len(seq.draft_token_ids) == 1 and seq.start_pos >= len(seq.prompt_token_ids):
+        is_decode = n - len(seq.draft_token_ids) == 1 and seq.start_pos >= len(seq.prompt_token_ids)
+        if is_decode:
             decode += 1
             prefill += len(seq.draft_token_ids)
         else:
             prefill += n
             pairs += seq.attention_pairs
         context += seq.start_pos + n
-    return StepFeatures(prefill, decode, context, pairs)
+        if window is not None:
+            windowed += min(seq.start_pos + n, window + n - 1)
+            windowed_pairs += 0 if is_decode else windowed_pair_count(seq.start_pos, n, window)
+    if window is None:
+        return StepFeatures(prefill, decode, context, pairs)
+    return StepFeatures(prefill, decode, context, pairs, windowed, windowed_pairs)
+
+
+def windowed_pair_count(start_pos: int, num_tokens: int, window: int) -> int:
+    """Query-key pairs of a chunk whose query at position p sees min(p + 1, window) keys."""
+    low, high = start_pos + 1, start_pos + num_tokens  # each query's keys before the cap
+    ramp_end = min(high, window)
+    ramp = (ramp_end * (ramp_end + 1) - (low - 1) * low) // 2 if ramp_end >= low else 0
+    return ramp + max(0, high - max(low - 1, window)) * window
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float],
