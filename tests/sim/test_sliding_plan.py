@@ -103,7 +103,7 @@ def test_the_sliding_window_fits_more_sequences_and_serves_more_per_replica() ->
 
 
 def test_simulate_what_if_of_a_sliding_model_on_a_gpu_uses_its_kv_groups(tmp_path: Path) -> None:
-    from tokenline.model.model_store import resolve_model
+    from tokenline.store.model_store import resolve_model
     from tokenline.sim.profile import Profile
     from tokenline.sim.sim_target import WhatIf, resolve_target
     from tokenline.sim.simulate import SimConfig, simulate
