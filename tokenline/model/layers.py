@@ -282,7 +282,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32;
+        """Packed panels (a bfloat16 model's, on a VNNI CPU): tl_linear_qp below
+        QUANTIZED_BF16_DEQUANT_ROWS rows, the rows rounded to int8 per block of 32.
+        Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32;
         bfloat16 rows from QUANTIZED_BF16_ROWS to QUANTIZED_BF16_DEQUANT_ROWS multiply in bfloat16, exact
         codes, where the CPU has it).
         More rows, or no kernels: the weight dequantized for the call and a float matrix product, in

@@ -13,7 +13,11 @@ keeps checking two layers and the embedding), so tokenline serves the same numbe
 from that file. The CPU kernel (``tl_linear_q``) reads the blocks in place for a few decode rows and
 expands small tiles for more; beside bfloat16 rows on a CPU with AVX-512 BF16, ``tl_linear_q_bf16``
 expands each panel of 16 weight rows once into exact bfloat16 codes for every row (decode batches,
-prefill chunks); only a long prefill chunk dequantizes a whole matrix.
+prefill chunks); only a long prefill chunk dequantizes a whole matrix. A bfloat16 model's blocks on a
+CPU with AVX-512 VNNI are instead reordered once at load (``pack_panels``: the same bytes, the only
+copy) for ``tl_linear_qp``, which rounds the rows to int8 per block as llama.cpp does and multiplies
+with vpdpbusd at every batch size (faster than bfloat16 weights from 1 to 32 rows; the outputs differ
+from the dequantized weight's by that rounding). A float32 model keeps the exact kernels.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@
  *   panels for an outer-product register tile (faster than MKL's sgemm on the plain weight there).
  * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
  *   read in place and widened to floats in registers; tl_linear_q_bf16: the same for bfloat16 rows,
- *   each panel of 16 weight rows expanded once to bfloat16 codes for every row (AVX-512 BF16).
+ *   each panel of 16 weight rows expanded once to bfloat16 codes for every row (AVX-512 BF16);
+ *   tl_linear_qp: the blocks repacked at load into 16-row panels, times rows rounded to int8 (VNNI).
  * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
  *   its weights float32 or quantized.
  */
