@@ -53,11 +53,12 @@ class QuantizedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """w[ids] dequantized to float32, [*ids.shape, in_features] (a tied embedding's lookup)."""
         flat = ids.reshape(-1)
-        if self.packed:  # the panels holding the rows, unpacked, then the rows within them
+        if self.packed:  # the panels holding the rows (each once: a long prompt repeats tokens), unpacked
             row_bytes = self.blocks.shape[1]
-            panels = self.blocks.view(-1, PANEL_ROWS, row_bytes)[flat // PANEL_ROWS].reshape(-1, row_bytes)
+            wanted, where = torch.unique(flat // PANEL_ROWS, return_inverse=True)
+            panels = self.blocks.view(-1, PANEL_ROWS, row_bytes)[wanted].reshape(-1, row_bytes)
             blocks = _unpack_blocks(panels, self.fmt).view(-1, PANEL_ROWS, row_bytes)
-            picked = blocks[torch.arange(flat.shape[0]), flat % PANEL_ROWS]
+            picked = blocks[where, flat % PANEL_ROWS]
         else:
             picked = self.blocks[flat]
         out = _dequantize_blocks(picked, self.fmt, self.in_features)
