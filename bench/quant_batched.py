@@ -12,6 +12,8 @@ row count, and each quantized format's ratio to bf16 (< 1: faster).
     .venv/bin/python bench/quant_batched.py --models smollm2-135m --rows 1 8 16 32 --repeats 15
     # on a shared machine: one thread, timed by its own CPU clock (time others take does not count)
     OMP_NUM_THREADS=1 .venv/bin/python bench/quant_batched.py --threads 1 --clock cpu
+    # beside the packed layout (tl_linear_qp), the same blocks in ggml's order (the kernels before it)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/quant_batched.py --threads 1 --clock cpu --blocks
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import torch
 
 from tokenline.model import cpu_kernels
 from tokenline.model.layers import Linear
+from tokenline.model.quantization import QuantizedWeight
 
 from linears import layer_shapes  # noqa: E402  (bench/, this script's own directory)
 
 # (hidden, intermediate, heads, kv_heads, head_dim)
 MODELS = {"smollm2-135m": (576, 1536, 9, 3, 64), "llama-3.2-1b": (2048, 8192, 32, 8, 64)}
 FORMATS = ("bf16", "q8_0", "q4_1")
+BLOCKS = "-blocks"  # a format's name + this: held in ggml's order (no packed panels)
 STACK_BYTES = 96 << 20  # bf16 bytes of weights per format: past the last-level cache
 
 
@@ -50,7 +54,10 @@ def build(fmt: str, shapes: list[tuple[int, int]], layers: int, generator: torch
             if fmt == "bf16":
                 lin.prepare_for_inference()
             else:
-                assert lin.quantize_(fmt)
+                assert lin.quantize_(fmt.removesuffix(BLOCKS))
+                q = lin._quantized
+                if fmt.endswith(BLOCKS) and q is not None and q.packed:
+                    lin._quantized = QuantizedWeight(q.fmt, q.ggml_blocks(), q.out_features, q.in_features)
             row.append(lin)
         stack.append(row)
     return stack
@@ -64,7 +71,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time (with --threads 1: robust to neighbours on a shared machine)")
+    parser.add_argument("--blocks", action="store_true",
+                        help="also time q8_0 / q4_1 held in ggml's block order (the kernels before the packed layout)")
     args = parser.parse_args()
+    formats = FORMATS + ((f"q8_0{BLOCKS}", f"q4_1{BLOCKS}") if args.blocks else ())
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -76,26 +86,26 @@ def main() -> None:
         shapes = layer_shapes(*MODELS[model])
         layer_bytes = 2 * sum(n * k for n, k in shapes)
         layers = max(1, -(-STACK_BYTES // layer_bytes))
-        stacks = {fmt: build(fmt, shapes, layers, generator) for fmt in FORMATS}
+        stacks = {fmt: build(fmt, shapes, layers, generator) for fmt in formats}
         print(f"\n{model}: projections (out, in) {shapes}, {layers} distinct layers; ms per layer (median)")
-        print(f"{'rows':>5} " + " ".join(f"{f:>9}" for f in FORMATS) + "   q8_0/bf16 q4_1/bf16")
+        print(f"{'rows':>5} " + " ".join(f"{f:>12}" for f in formats) + "  " + " ".join(f"{f + '/bf16':>17}" for f in formats[1:]))
         for rows in args.rows:
             x = {k: torch.randn(rows, k, generator=generator).bfloat16() for k in {k for _, k in shapes}}
-            times: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+            times: dict[str, list[float]] = {fmt: [] for fmt in formats}
             with torch.inference_mode():
-                for fmt in FORMATS:  # warm-up (builds, first-touch)
+                for fmt in formats:  # warm-up (builds, first-touch)
                     for lin in stacks[fmt][0]:
                         lin(x[lin.in_features])
                 for _ in range(args.repeats):
-                    for fmt in FORMATS:
+                    for fmt in formats:
                         start = clock()
                         for layer in stacks[fmt]:
                             for lin in layer:
                                 lin(x[lin.in_features])
                         times[fmt].append((clock() - start) * 1e3 / layers)
             med = {fmt: statistics.median(t) for fmt, t in times.items()}
-            print(f"{rows:>5} " + " ".join(f"{med[f]:9.3f}" for f in FORMATS)
-                  + f"   {med['q8_0'] / med['bf16']:9.2f} {med['q4_1'] / med['bf16']:9.2f}")
+            print(f"{rows:>5} " + " ".join(f"{med[f]:12.3f}" for f in formats) + "  "
+                  + " ".join(f"{med[f] / med['bf16']:17.2f}" for f in formats[1:]))
         del stacks
 
 

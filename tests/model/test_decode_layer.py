@@ -16,6 +16,7 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import bf16_fused_rows
 from tokenline.model.layers import Attention, RMSNorm, RotaryEmbedding, prepare_for_inference, small_batch_rows
 from tokenline.model.llama import LlamaDecoderLayer
+from tokenline.model.quantization import pack_panels
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import SamplingParams
 
@@ -132,6 +133,33 @@ def test_fused_layer_reads_quantized_blocks_like_the_torch_layer(fmt: str, rows:
         assert linear.quantize_(fmt)
     weights = layer.decode_weights()
     assert weights is not None and weights.fmt == {"q4_1": 1, "q8_0": 2}[fmt]
+    weights.check()
+    x, positions, kv, meta = _decode_step(config, rows, generator)
+    cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.float32)
+    expected, got, kv_torch, kv_fused = _both_paths(layer, x, positions, cos_sin, kv, meta)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)
+    assert ((got - x) - expected).abs().max() > 1e-1  # the residual matters at this tolerance
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_fused_layer_reads_packed_panels_like_the_torch_layer(fmt: str, rows: int) -> None:
+    """A bfloat16 model's quantized weights on a VNNI CPU are packed (quantization.pack_panels): the
+    one-call layer multiplies them with the kernel the torch layer's linears use (rows rounded to int8
+    per block the same way), so the two paths agree as closely as with ggml's blocks."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.has_avx512vnni:
+        pytest.skip("no AVX-512 VNNI here: nothing is packed")
+    config = _config(96, 160, 3, 1, 32)
+    generator = torch.Generator().manual_seed(rows + 11)
+    layer = _random_layer(config, generator)
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.quantize_(fmt)
+        linear._quantized = pack_panels(linear._quantized)  # as a bfloat16 weight's quantize_ leaves it
+    weights = layer.decode_weights()
+    assert weights is not None and weights.packed
     weights.check()
     x, positions, kv, meta = _decode_step(config, rows, generator)
     cos_sin = RotaryEmbedding(config.head_dim, config.rope_theta).lookup(positions, torch.float32)

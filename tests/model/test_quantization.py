@@ -1,6 +1,7 @@
 """Weight-only quantization (model/quantization.py, tl_linear_q): ggml's blocks reproduced byte for
-byte, the kernel against float64 on the dequantized weights (vector and portable builds), and the
-default model served from Q4_1 blocks picking the float32 model's greedy tokens."""
+byte, the kernel against float64 on the dequantized weights (vector and portable builds), the packed
+panels (pack_panels, tl_linear_qp) within their activations' int8 rounding, and the default model
+served from Q4_1 blocks picking the float32 model's greedy tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from tokenline.llm import LLM
 from tokenline.model import cpu_kernels
 from tokenline.model.layers import QUANTIZED_BF16_DEQUANT_ROWS, QUANTIZED_GEMV_ROWS, Linear, QuantizedEmbedding
-from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, QuantizedWeight, quantize
+from tokenline.model.quantization import BLOCK_BYTES, QUANTIZATIONS, QuantizedWeight, pack_panels, quantize
 from tokenline.sampling_params import SamplingParams
 from tokenline.store.model_store import default_gguf_path
 
@@ -118,6 +119,7 @@ def test_portable_build_matches_too() -> None:
     except Exception as exc:  # a compiler without these flags (not x86)
         pytest.skip(f"no portable x86 build here: {exc}")
     _check_kernel(lib)
+    assert not lib.has_avx512vnni  # so nothing is packed for it: Linear keeps ggml's blocks
 
 
 @needs_kernels
@@ -129,6 +131,97 @@ def test_build_without_avx512_bf16_matches_too() -> None:
         pytest.skip(f"no such x86 build here: {exc}")
     assert not lib.has_avx512bf16
     _check_kernel(lib)
+    try:  # nor VNNI: linear_qp is not built, and refuses rather than answering wrong
+        lib = cpu_kernels.CpuKernels(cpu_kernels.build(extra_flags=("-mno-avx512bf16", "-mno-avx512vnni")))
+    except Exception as exc:
+        pytest.skip(f"no such x86 build here: {exc}")
+    assert not lib.has_avx512vnni
+    q = pack_panels(quantize(torch.randn(16, 64), "q8_0"))
+    with pytest.raises(ValueError, match="VNNI"):
+        lib.linear_qp(torch.randn(2, 64), q.blocks, q.code, 16)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZATIONS)
+def test_packed_panels_hold_the_same_blocks(fmt: str) -> None:
+    """pack_panels reorders the bytes (nothing added, nothing lost): lane j of a code vector holds 4
+    consecutive inputs of row j; unpacking, dequantizing and row lookups give ggml's blocks' values."""
+    generator = torch.Generator().manual_seed(5)
+    q = quantize(torch.randn(48, 96, generator=generator), fmt)
+    p = pack_panels(q)
+    assert p.packed and p.blocks.shape == q.blocks.shape and not torch.equal(p.blocks, q.blocks)
+    assert torch.equal(p.ggml_blocks(), q.blocks) and torch.equal(p.dequantize(), q.dequantize())
+    ids = torch.tensor([[0, 47], [17, 17], [31, 5]])
+    assert torch.equal(p.rows(ids), q.rows(ids))
+    # row 21 (panel 1, lane 5), block 2, input 22 (group 5, byte 2 of the lane)
+    chunk = p.blocks.view(3, 3, 16 * BLOCK_BYTES[fmt])[1, 2]
+    if fmt == "q8_0":
+        want = int(q.blocks[21, 2 * 34 + 2 + 22].view(torch.int8))
+        assert int(chunk[32 + 64 * 5 + 4 * 5 + 2]) - 128 == want
+    else:
+        want = int(q.blocks[21, 2 * 20 + 4 + 22 - 16]) >> 4  # inputs 16-31: the high nibbles
+        assert int(chunk[64 + 64 * (5 - 4) + 4 * 5 + 2]) >> 4 == want
+    with pytest.raises(ValueError, match="panels of 16"):
+        pack_panels(quantize(torch.randn(8, 32), fmt))
+
+
+def _int8_rounding_bound(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[M, N]: how far rounding x to int8 per block of 32 (step max|x| / 127, half a step at most an
+    input) can move x @ w.T: sum over blocks of max|x_b| / 254 times sum |d q| (Q4_1's minimum m
+    multiplies the exact float sum of x_b, so only w - m = d q meets the rounded x)."""
+    xb = x.double().reshape(x.shape[0], 1, -1, 32)
+    wb = w.double().reshape(1, w.shape[0], -1, 32)
+    if fmt == "q4_1":
+        wb = wb - wb.amin(-1, keepdim=True)  # the quantizer's m is the block's minimum (its code 0)
+    return (xb.abs().amax(-1) / 254 * wb.abs().sum(-1)).sum(-1)
+
+
+@needs_kernels
+def test_packed_kernel_is_within_the_activations_int8_rounding() -> None:
+    """tl_linear_qp (the bfloat16 model's quantized linears): every row, panel and row tile (1-8 rows,
+    balanced tiles past 8) within the bound the int8 rounding of x argues, of the float64 product on
+    the dequantized weight, and on average within 2 % of the outputs (a wrong lane, group, scale or
+    minimum is off by their size)."""
+    assert kernels is not None
+    if not kernels.has_avx512vnni:
+        pytest.skip("no AVX-512 VNNI here: weights stay in ggml's blocks")
+    generator = torch.Generator().manual_seed(6)
+    for fmt in QUANTIZATIONS:
+        for m, n, k in [(1, 576, 576), (3, 48, 64), (8, 960, 576), (9, 32, 1536), (32, 16, 96), (37, 64, 32)]:
+            w = torch.randn(n, k, generator=generator) * 0.05 + (0.02 if fmt == "q4_1" else 0.0)  # minimums != 0
+            q = quantize(w, fmt)
+            dense = q.dequantize()
+            for x in (torch.randn(m, k, generator=generator), torch.randn(m, k, generator=generator).bfloat16()):
+                got = kernels.linear_qp(x, pack_panels(q).blocks, q.code, n).double()
+                exact = x.double() @ dense.double().T
+                bound = _int8_rounding_bound(x, dense, fmt)
+                assert ((got - exact).abs() <= bound + 1e-5 * exact.abs() + 1e-6).all(), (fmt, m, n, k, x.dtype)
+                # the bound is the worst case (|w| summed); typically the rounding moves outputs by ~0.6 %
+                assert (got - exact).abs().mean() < 0.02 * exact.abs().mean(), (fmt, m, n, k, x.dtype)
+    q = pack_panels(quantize(torch.randn(16, 64), "q4_1"))
+    with pytest.raises(ValueError):
+        kernels.linear_qp(torch.randn(2, 96), q.blocks, q.code, 16)  # blocks of another width
+
+
+@needs_kernels
+def test_bfloat16_linear_holds_only_packed_blocks_within_the_rounding() -> None:
+    """A bfloat16 model's quantized Linear on a VNNI CPU holds its blocks packed (no other copy) and
+    multiplies decode batches and prefill chunks with tl_linear_qp; a long chunk dequantizes the
+    unpacked blocks. Within the int8 rounding bound plus bfloat16's output rounding."""
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(7)
+    for fmt in QUANTIZATIONS:
+        layer = Linear(256, 48, bias=False)
+        layer.weight = torch.nn.Parameter(torch.randn(48, 256, generator=generator).bfloat16(), requires_grad=False)
+        assert layer.quantize_(fmt) and layer.weight is None
+        q = layer._quantized
+        assert q is not None and q.packed == kernels.has_avx512vnni
+        dense = layer.plain_weight()
+        for rows in (1, 4, 8, 32, 200, QUANTIZED_BF16_DEQUANT_ROWS + 3):
+            x = torch.randn(rows, 256, generator=generator).bfloat16()
+            y = layer(x).double()
+            exact = x.double() @ dense.double().T
+            bound = _int8_rounding_bound(x, dense, fmt) if q.packed else 0.0
+            assert ((y - exact).abs() <= bound + exact.abs() * 2.0**-8 + 1e-3).all(), (fmt, rows)
 
 
 def test_bfloat16_decode_rows_through_quantized_linear_match_the_dequantized_weight() -> None:
@@ -219,7 +312,10 @@ def test_bfloat16_model_decodes_quantized_blocks_in_the_one_call_layer(default_m
     """A bfloat16 model with --quantization: its decode steps run the one-call layer too (in float32,
     the norms widened), not ~30 torch operators a layer. Its embeddings, prefill and final norm stay
     bfloat16, so greedy paths may part from the float32 model's at a near tie; teacher-forced, the next
-    token after each of the float32 model's prefixes agrees (measured 252 of 256 on 8 prompts)."""
+    token after each of the float32 model's prefixes agrees (measured 252 of 256 on 8 prompts with the
+    exact kernels, 93 of these 96). On a VNNI CPU the projections' rows are also rounded to int8 per
+    block of 32 (pack_panels, llama.cpp's rounding): 86 of 96 measured (Q8_0: 93 vs 90 exact), near
+    ties only; a wrong kernel agrees on next to none."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
                "Water boils at", "The three primary colours are", "import numpy as np\n"]
     plain = LLM(default_model_dir, dtype="float32", num_kv_blocks=128)
@@ -237,7 +333,7 @@ def test_bfloat16_model_decodes_quantized_blocks_in_the_one_call_layer(default_m
             out = llm.generate(prompt_ids + continuation[:i], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             agree += out[0].outputs[0].token_ids[0] == want
             total += 1
-    assert agree / total >= 0.95, f"{agree} of {total} next tokens agree"
+    assert agree / total >= 0.85, f"{agree} of {total} next tokens agree"
 
 
 def test_the_hybrid_model_serves_quantized(tiny_qwen3_5) -> None:  # noqa: ANN001 - conftest's factory

@@ -126,6 +126,9 @@ class CpuKernels:
         lib.tl_linear_q.restype = None
         lib.tl_linear_q_bf16.argtypes = [ctypes.c_int, _P, _P, _P, _I, _I, _I]
         lib.tl_linear_q_bf16.restype = None
+        lib.tl_linear_qp.argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _I, _I, _I]
+        lib.tl_linear_qp.restype = None
+        lib.tl_has_avx512vnni.restype = ctypes.c_int
         lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
         lib.tl_dequantize_q.restype = None
         lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
@@ -144,6 +147,8 @@ class CpuKernels:
         self._lib = lib
         self.path = path
         self.has_avx512bf16 = bool(lib.tl_has_avx512bf16())
+        # Whether tl_linear_qp is built (quantized weights are then packed at load: quantization.pack_panels).
+        self.has_avx512vnni = bool(lib.tl_has_avx512vnni())
 
     def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` for a few rows; x [M, K] and weight [N, K] contiguous bfloat16."""
@@ -209,6 +214,21 @@ class CpuKernels:
         _check_blocks("linear_q_bf16", blocks, code, n, k)
         y = torch.empty((m, n), dtype=torch.float32)
         self._lib.tl_linear_q_bf16(code, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    def linear_qp(self, x: torch.Tensor, blocks: torch.Tensor, code: int, n: int) -> torch.Tensor:
+        """``x @ w.T`` in float32 for rows x [M, K] (float32 or bfloat16, contiguous) and w [n, K] in
+        quantization.pack_panels' layout, with AVX-512 VNNI (``has_avx512vnni``): x is quantized to
+        int8 per block of 32 (scale max|x| / 127, as llama.cpp quantizes activations for these formats),
+        so the result differs from the dequantized weight times x by that rounding."""
+        if x.dtype not in _DTYPE_CODES or x.dim() != 2 or not x.is_contiguous() or blocks.dtype != torch.uint8:
+            raise ValueError("linear_qp takes contiguous 2-D float32 or bfloat16 activations and uint8 blocks")
+        m, k = x.shape
+        _check_blocks("linear_qp", blocks, code, n, k)
+        if not self.has_avx512vnni or n % 16:
+            raise ValueError("linear_qp needs AVX-512 VNNI and a weight of whole 16-row panels")
+        y = torch.empty((m, n), dtype=torch.float32)
+        self._lib.tl_linear_qp(code, _DTYPE_CODES[x.dtype], x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
     def dequantize_q(self, blocks: torch.Tensor, code: int, n: int, k: int) -> torch.Tensor:
@@ -354,7 +374,7 @@ class CpuKernels:
             )
             return
         self._lib.tl_decode_layer_f32(
-            w.fmt | (BF16_ROWS_FLAG if w.bf16_rows else 0), kv_code, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
+            w.fmt | (BF16_ROWS_FLAG if w.bf16_rows else 0) | (PACKED_FLAG if w.packed else 0), kv_code, x.data_ptr(), m, hidden, w.eps, w.input_norm.data_ptr(), w.qkv.data_ptr(), w.o.data_ptr(),
             w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
             rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
@@ -395,6 +415,8 @@ def decode_layer_scratch(rows: int, w: DecodeLayerWeights) -> int:
 BF16_PACKED = 3
 # Added to a quantized fmt for tl_decode_layer_f32 (TL_W_BF16_ROWS): DecodeLayerWeights.bf16_rows.
 BF16_ROWS_FLAG = 16
+# Added to a quantized fmt for tl_decode_layer_f32 (TL_W_PACKED): DecodeLayerWeights.packed.
+PACKED_FLAG = 32
 
 
 @dataclass(frozen=True)
@@ -422,6 +444,8 @@ class DecodeLayerWeights:
     # Quantized weights of a bfloat16 model: from layers.QUANTIZED_BF16_ROWS rows the projections'
     # inputs are rounded to bfloat16 (as the model's operators round them) for the batched kernel.
     bf16_rows: bool = False
+    # Quantized blocks in quantization.pack_panels' layout (multiplied by tl_linear_qp's kernel).
+    packed: bool = False
 
     def check(self) -> None:
         norms, matrices = (self.input_norm, self.post_norm), (self.qkv, self.o, self.gate_up, self.down)

@@ -21,7 +21,7 @@ from tokenline.model import cpu_kernels, panel_weight
 from tokenline.model.attention import AttentionMetadata, paged_attention
 from tokenline.model.config import ModelConfig
 from tokenline.model.packed_weight import PackedWeight, pack
-from tokenline.model.quantization import BLOCK, HEAD_FORMAT, QuantizedWeight, quantize
+from tokenline.model.quantization import BLOCK, HEAD_FORMAT, PANEL_ROWS, QuantizedWeight, pack_panels, quantize
 
 
 @functools.cache
@@ -194,6 +194,11 @@ class Linear(nn.Linear):
             return False
         self._quantized = quantize(weight, fmt)
         self._kernels = cpu_kernels.load()
+        # A bfloat16 model's: repacked for tl_linear_qp (the only copy), which rounds the rows to int8 per
+        # block as llama.cpp does; a float32 model keeps the kernels that multiply its rows exactly.
+        if (weight.dtype == torch.bfloat16 and self._kernels is not None and self._kernels.has_avx512vnni
+                and self.out_features % PANEL_ROWS == 0):
+            self._quantized = pack_panels(self._quantized)
         self.register_parameter("weight", None)
         return True
 
@@ -277,7 +282,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32;
+        """Packed panels (a bfloat16 model's, on a VNNI CPU): tl_linear_qp below
+        QUANTIZED_BF16_DEQUANT_ROWS rows, the rows rounded to int8 per block of 32.
+        Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32;
         bfloat16 rows from QUANTIZED_BF16_ROWS to QUANTIZED_BF16_DEQUANT_ROWS multiply in bfloat16, exact
         codes, where the CPU has it).
         More rows, or no kernels: the weight dequantized for the call and a float matrix product, in
@@ -288,13 +295,15 @@ class Linear(nn.Linear):
         flat = x.reshape(-1, self.in_features)
         if self._kernels is None:
             y = F.linear(flat.to(torch.float32), q.dequantize())
+        elif q.packed and flat.shape[0] < QUANTIZED_BF16_DEQUANT_ROWS:
+            y = self._kernels.linear_qp(flat.contiguous(), q.blocks, q.code, q.out_features)
         elif (QUANTIZED_BF16_ROWS <= flat.shape[0] < QUANTIZED_BF16_DEQUANT_ROWS and x.dtype == torch.bfloat16
               and self._kernels.has_avx512bf16):
             y = self._kernels.linear_q_bf16(flat.contiguous(), q.blocks, q.code, q.out_features)
         elif flat.shape[0] < QUANTIZED_GEMV_ROWS:
             y = self._kernels.linear_q(flat.to(torch.float32).contiguous(), q.blocks, q.code, q.out_features)
         else:
-            weight = self._kernels.dequantize_q(q.blocks, q.code, q.out_features, q.in_features)
+            weight = self._kernels.dequantize_q(q.ggml_blocks(), q.code, q.out_features, q.in_features)
             if x.dtype == torch.bfloat16 and cpu_kernels.cpu_has_native_bf16():
                 y = F.linear(flat, weight.to(torch.bfloat16))
             else:

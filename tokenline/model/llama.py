@@ -51,7 +51,7 @@ class LlamaDecoderLayer(nn.Module):
         quantized = [lin._quantized for lin in linears]
         if any(t.device.type != "cpu" for t in norms):
             return None
-        blocking, bf16_rows = None, False
+        blocking, bf16_rows, packed = None, False, False
         if all(t.dtype == torch.bfloat16 for t in norms) and all(q is None for q in quantized):
             # A bfloat16 model: the packed tiles our small-batch kernel reads, each with its layout.
             packed = [lin._packed for lin in linears]
@@ -62,24 +62,26 @@ class LlamaDecoderLayer(nn.Module):
                                     dtype=torch.int64)
         elif any(t.dtype != torch.float32 for t in norms):
             # A bfloat16 model with quantized projections runs in float32 here (the norms widened, exactly).
-            if any(q is None for q in quantized) or len({q.fmt for q in quantized}) != 1:  # type: ignore[union-attr]
+            if any(q is None for q in quantized) or len({(q.fmt, q.packed) for q in quantized}) != 1:  # type: ignore[union-attr]
                 return None
             norms = tuple(t.float() for t in norms)
             matrices, fmt = [q.blocks for q in quantized], quantized[0].code  # type: ignore[union-attr]
             bf16_rows = True
+            packed = quantized[0].packed  # type: ignore[union-attr]
         elif all(q is None for q in quantized):
             panels = [lin.float32_panels() for lin in linears]
             if any(t is None for t in panels):
                 return None
             matrices, fmt = panels, 0
-        elif len({q.fmt if q else None for q in quantized}) == 1:  # one format, every projection
+        elif len({(q.fmt, q.packed) if q else None for q in quantized}) == 1:  # one format and layout, every projection
             matrices, fmt = [q.blocks for q in quantized if q is not None], quantized[0].code  # type: ignore[union-attr]
+            packed = quantized[0].packed  # type: ignore[union-attr]
         else:
             return None
         ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))
         return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
                                   attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt, blocking,
-                                  bf16_rows)
+                                  bf16_rows, packed)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -13,7 +13,11 @@ keeps checking two layers and the embedding), so tokenline serves the same numbe
 from that file. The CPU kernel (``tl_linear_q``) reads the blocks in place for a few decode rows and
 expands small tiles for more; beside bfloat16 rows on a CPU with AVX-512 BF16, ``tl_linear_q_bf16``
 expands each panel of 16 weight rows once into exact bfloat16 codes for every row (decode batches,
-prefill chunks); only a long prefill chunk dequantizes a whole matrix.
+prefill chunks); only a long prefill chunk dequantizes a whole matrix. A bfloat16 model's blocks on a
+CPU with AVX-512 VNNI are instead reordered once at load (``pack_panels``: the same bytes, the only
+copy) for ``tl_linear_qp``, which rounds the rows to int8 per block as llama.cpp does and multiplies
+with vpdpbusd at every batch size (faster than bfloat16 weights from 1 to 32 rows; the outputs differ
+from the dequantized weight's by that rounding). A float32 model keeps the exact kernels.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class QuantizedWeight:
     blocks: torch.Tensor
     out_features: int
     in_features: int
+    # The same bytes reordered into panels of 16 rows as tl_linear_qp reads them (pack_panels).
+    packed: bool = False
 
     @property
     def code(self) -> int:
@@ -47,12 +53,71 @@ class QuantizedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """w[ids] dequantized to float32, [*ids.shape, in_features] (a tied embedding's lookup)."""
         flat = ids.reshape(-1)
-        out = _dequantize_blocks(self.blocks[flat], self.fmt, self.in_features)
+        if self.packed:  # the panels holding the rows (each once: a long prompt repeats tokens), unpacked
+            row_bytes = self.blocks.shape[1]
+            wanted, where = torch.unique(flat // PANEL_ROWS, return_inverse=True)
+            panels = self.blocks.view(-1, PANEL_ROWS, row_bytes)[wanted].reshape(-1, row_bytes)
+            blocks = _unpack_blocks(panels, self.fmt).view(-1, PANEL_ROWS, row_bytes)
+            picked = blocks[where, flat % PANEL_ROWS]
+        else:
+            picked = self.blocks[flat]
+        out = _dequantize_blocks(picked, self.fmt, self.in_features)
         return out.reshape(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The whole weight in float32 (a reader that needs it; not the hot path)."""
-        return _dequantize_blocks(self.blocks, self.fmt, self.in_features)
+        return _dequantize_blocks(self.ggml_blocks(), self.fmt, self.in_features)
+
+    def ggml_blocks(self) -> torch.Tensor:
+        """The blocks in ggml's row-major order: ``blocks`` itself, or a copy unpacked from the panels."""
+        return _unpack_blocks(self.blocks, self.fmt) if self.packed else self.blocks
+
+
+PANEL_ROWS = 16  # weight rows a packed panel holds: one AVX-512 vector of outputs
+
+
+def pack_panels(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` with its blocks reordered for tl_linear_qp (same bytes a weight, no other copy kept): per
+    panel of 16 rows and block of 32 inputs, the 16 rows' fp16 d (Q4_1: then their m), then the codes
+    with 4 consecutive inputs of row j in 32-bit lane j: Q8_0's as bytes q + 128 (8 vectors of 64),
+    Q4_1's two a byte (4 vectors; the low nibbles inputs 0-15's groups, the high 16-31's)."""
+    if q.packed or q.out_features % PANEL_ROWS:
+        raise ValueError(f"pack_panels: a [{q.out_features}, {q.in_features}] weight (packed={q.packed}) "
+                         f"does not split into panels of {PANEL_ROWS} rows")
+    n, nb, bb = q.out_features, q.in_features // BLOCK, BLOCK_BYTES[q.fmt]
+    b = q.blocks.view(n // PANEL_ROWS, PANEL_ROWS, nb, bb).permute(0, 2, 1, 3)  # [P, nb, 16, bb]
+    lanes = (n // PANEL_ROWS, nb, 16, 8, 4)
+    if q.fmt == "q8_0":
+        scales = b[..., 0:2]
+        codes = (b[..., 2:] ^ 0x80).reshape(lanes).permute(0, 1, 3, 2, 4).reshape(*lanes[:2], 8, 64)
+    else:
+        scales = torch.cat((b[..., 0:2], b[..., 2:4]), dim=-2)  # 16 d's then 16 m's
+        raw = b[..., 4:]
+        q_codes = torch.cat((raw & 0x0F, raw >> 4), dim=-1)  # [P, nb, 16, 32] in input order
+        grouped = q_codes.reshape(lanes).permute(0, 1, 3, 2, 4).reshape(*lanes[:2], 8, 64)
+        codes = grouped[:, :, :4] | (grouped[:, :, 4:] << 4)
+    chunk = torch.cat((scales.reshape(*lanes[:2], -1), codes.reshape(*lanes[:2], -1)), dim=-1)
+    return QuantizedWeight(q.fmt, chunk.reshape(n, nb * bb).contiguous(), n, q.in_features, packed=True)
+
+
+def _unpack_blocks(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """pack_panels' inverse on [rows (a multiple of 16), row bytes] packed bytes: ggml's blocks."""
+    n, row_bytes = packed.shape
+    bb = BLOCK_BYTES[fmt]
+    nb = row_bytes // bb
+    chunk = packed.reshape(n // PANEL_ROWS, nb, PANEL_ROWS * bb)
+    lanes = (n // PANEL_ROWS, nb, 8, 16, 4)
+    if fmt == "q8_0":
+        head = chunk[..., :32].reshape(*lanes[:2], 16, 2)
+        codes = (chunk[..., 32:].reshape(lanes) ^ 0x80).permute(0, 1, 3, 2, 4).reshape(*lanes[:2], 16, 32)
+        blocks = torch.cat((head, codes), dim=-1)
+    else:
+        d, m = chunk[..., :32].reshape(*lanes[:2], 16, 2), chunk[..., 32:64].reshape(*lanes[:2], 16, 2)
+        both = chunk[..., 64:].reshape(*lanes[:2], 4, 64)
+        grouped = torch.cat((both & 0x0F, both >> 4), dim=2).reshape(lanes)  # groups 0-3, then 4-7
+        q_codes = grouped.permute(0, 1, 3, 2, 4).reshape(*lanes[:2], 16, 32)
+        blocks = torch.cat((d, m, q_codes[..., :16] | (q_codes[..., 16:] << 4)), dim=-1)
+    return blocks.permute(0, 2, 1, 3).reshape(n, row_bytes).contiguous()
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:

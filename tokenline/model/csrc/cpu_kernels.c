@@ -16,7 +16,8 @@
  *   panels for an outer-product register tile (faster than MKL's sgemm on the plain weight there).
  * - tl_linear_q: y = x @ w^T with w in ggml's Q4_1 or Q8_0 blocks (weight-only quantization),
  *   read in place and widened to floats in registers; tl_linear_q_bf16: the same for bfloat16 rows,
- *   each panel of 16 weight rows expanded once to bfloat16 codes for every row (AVX-512 BF16).
+ *   each panel of 16 weight rows expanded once to bfloat16 codes for every row (AVX-512 BF16);
+ *   tl_linear_qp: the blocks repacked at load into 16-row panels, times rows rounded to int8 (VNNI).
  * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
  *   its weights float32 or quantized.
  */
@@ -2181,6 +2182,157 @@ void tl_linear_q_bf16(int fmt, const uint16_t *x, const uint8_t *w, float *y, in
     free(xs);
 }
 
+/* ---- Quantized blocks repacked at load time, times int8 rows (AVX-512 VNNI) ----
+ * The layout (quantization.pack_panels; the same bytes as the blocks, reordered): per panel of 16
+ * weight rows and block of 32 inputs, one chunk: the 16 rows' d (fp16; Q4_1: then their m), then the
+ * codes as vpdpbusd reads them, 32-bit lane j holding 4 consecutive codes of row j: Q8_0's as
+ * unsigned bytes q + 128 (8 vectors of 64 bytes), Q4_1's 4-bit codes two a byte (4 vectors: the low
+ * nibbles the first 16 inputs' groups, the high nibbles the last 16's), so a mask and a shift give the
+ * lanes. No transpose, no conversion per call: 8 vpdpbusd (64 products each) a block for each row.
+ * The rows are quantized to int8 per block of 32 (d_x = max|x| / 127, as llama.cpp quantizes
+ * activations for these formats), so the products differ from the dequantized weight times x by that
+ * rounding: at most d_x / 2 an input, times the weights' magnitudes (tests argue the tolerance so). */
+#define TL_W_PACKED 32 /* added to fmt for the decode layer: the weights are in the packed layout */
+#define TL_QP_ROWS 8   /* rows per register tile: 8 accumulators + the block's 8 code vectors */
+
+int tl_has_avx512vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+/* Row-blocks of x (float32, bfloat16, or float32 rounded to bfloat16 first: xdtype 0 / 1 / 2) to int8
+ * xq, their scales dx, the sums of their codes (Q8_0's +128 correction) and of their values (Q4_1's m). */
+static void quantize_rows_q8(int xdtype, const void *x, int64_t M, int64_t K, int8_t *xq, float *dx,
+                             int32_t *qsum, float *xsum) {
+    const int64_t nb = K / TL_QK;
+    for (int64_t r = 0; r < M * nb; r++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t at = r * TL_QK + 16 * h;
+            if (xdtype == 1) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v[h] = _mm512_loadu_ps((const float *)x + at);
+                if (xdtype == 2) v[h] = round512_bf16(v[h]);
+            }
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv))); /* nearest */
+            sum = _mm512_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i *)(xq + r * TL_QK + 16 * h), _mm512_cvtsepi32_epi8(q));
+        }
+        dx[r] = d;
+        qsum[r] = _mm512_reduce_add_epi32(sum);
+        xsum[r] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    }
+}
+
+/* y[m0 .. m0 + MT, panel's 16 columns) (+)= the quantized rows times the panel. */
+static inline __attribute__((always_inline)) void qp_rows(const int fmt, const int MT, const int8_t *xq,
+                                                          const float *dx, const int32_t *qsum, const float *xsum,
+                                                          const uint8_t *panel, float *y, int64_t m0, int64_t n0,
+                                                          int64_t N, int64_t K, int accumulate) {
+    const int64_t nb = K / TL_QK, chunk = 16 * q_block_bytes(fmt);
+    __m512 acc[TL_QP_ROWS];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *c = panel + b * chunk;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c));
+        __m512i wv[8];
+        __m512 mw = _mm512_setzero_ps();
+        if (fmt == TL_W_Q4_1) {
+            mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 32)));
+            const __m512i nibble = _mm512_set1_epi8(0x0F);
+            for (int h = 0; h < 4; h++) {
+                const __m512i raw = _mm512_loadu_si512(c + 64 + 64 * h);
+                wv[h] = _mm512_and_si512(raw, nibble);
+                wv[h + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+            }
+        } else {
+            for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(c + 32 + 64 * g);
+        }
+        /* Q8_0's codes are stored + 128: each row's sum starts from -128 times its block's code sum.
+         * Rows inner: MT independent vpdpbusd chains in flight, not one chain of 8 (latency-bound). */
+        __m512i isum[TL_QP_ROWS];
+        for (int r = 0; r < MT; r++)
+            isum[r] = fmt == TL_W_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * qsum[(m0 + r) * nb + b]);
+        for (int g = 0; g < 8; g++)
+            for (int r = 0; r < MT; r++) {
+                const int32_t *xr = (const int32_t *)(xq + ((m0 + r) * nb + b) * TL_QK);
+                isum[r] = _mm512_dpbusd_epi32(isum[r], wv[g], _mm512_set1_epi32(xr[g]));
+            }
+        for (int r = 0; r < MT; r++) {
+            const int64_t rb = (m0 + r) * nb + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[rb])), acc[r]);
+            if (fmt == TL_W_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[rb]), acc[r]);
+        }
+    }
+    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    for (int r = 0; r < MT; r++) {
+        float *out = y + (m0 + r) * N + n0;
+        __m512 v = acc[r];
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out));
+        _mm512_mask_storeu_ps(out, mask, v);
+    }
+}
+
+#define TL_QP_CASE(F, MT_)                                                                        \
+    case (F) * 16 + (MT_):                                                                        \
+        qp_rows(F, MT_, xq, dx, qsum, xsum, panel, y, m0, n0, N, K, accumulate);                  \
+        break;
+#define TL_QP_CASES(F) TL_QP_CASE(F, 1) TL_QP_CASE(F, 2) TL_QP_CASE(F, 3) TL_QP_CASE(F, 4) \
+    TL_QP_CASE(F, 5) TL_QP_CASE(F, 6) TL_QP_CASE(F, 7) TL_QP_CASE(F, 8)
+#endif
+
+/* y (+)= x @ w^T for packed w [N, K] (N a multiple of 16) and rows x of xdtype (see quantize_rows_q8).
+ * Without AVX-512 VNNI nothing is packed (tl_has_avx512vnni), and this writes NaN: never silently wrong. */
+static void linear_qp(int fmt, int xdtype, const void *x, const uint8_t *w, float *y, int64_t M, int64_t N,
+                      int64_t K, int accumulate) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
+    const int64_t nb = K / TL_QK, panels = N / 16, chunk = 16 * q_block_bytes(fmt);
+    int8_t *xq = malloc((size_t)(M * K) + (size_t)(M * nb) * (2 * sizeof(float) + sizeof(int32_t)) + 64);
+    if (xq && !(N % 16)) {
+        float *dx = (float *)(xq + ((M * K + 63) & ~(int64_t)63)), *xsum = dx + M * nb;
+        int32_t *qsum = (int32_t *)(xsum + M * nb);
+        quantize_rows_q8(xdtype, x, M, K, xq, dx, qsum, xsum);
+        const int64_t groups = (M + TL_QP_ROWS - 1) / TL_QP_ROWS;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < panels; t++) {
+            const int64_t n0 = t * 16;
+            const uint8_t *panel = w + t * nb * chunk;
+            for (int64_t m0 = 0, g = 0; m0 < M; g++) { /* balanced row tiles of at most TL_QP_ROWS */
+                const int mt = (int)((M - m0 + (groups - g) - 1) / (groups - g));
+                switch (fmt * 16 + mt) {
+                    TL_QP_CASES(TL_W_Q4_1)
+                    TL_QP_CASES(TL_W_Q8_0)
+                default: break;
+                }
+                m0 += mt;
+            }
+        }
+        free(xq);
+        return;
+    }
+    free(xq);
+#else
+    (void)fmt; (void)xdtype; (void)x; (void)w; (void)K; (void)accumulate;
+#endif
+    for (int64_t i = 0; i < M * N; i++) y[i] = NAN;
+}
+
+void tl_linear_qp(int fmt, int xdtype, const void *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+    linear_qp(fmt, xdtype, x, w, y, M, N, K, 0);
+}
+
 /* A decode layer's projection: float32 panels through panels_f32, quantized blocks through qgemv
  * (the rows' block sums in the layer's scratch), or with TL_W_BF16_ROWS in fmt (a bfloat16 model's
  * layer) and enough rows, the rows rounded to bfloat16, as that model's own operators round them, and
@@ -2191,6 +2343,10 @@ static void layer_linear(int fmt, const float *x, const void *w, float *y, int64
                          int accumulate, float *xs, uint16_t *xb) {
     if (fmt == TL_W_F32) {
         panels_f32(x, (const float *)w, y, M, N, K, accumulate);
+        return;
+    }
+    if (fmt & TL_W_PACKED) { /* rows rounded to bfloat16 first under TL_W_BF16_ROWS, as the per-op path has them */
+        linear_qp(fmt & 15, (fmt & TL_W_BF16_ROWS) ? 2 : 0, x, (const uint8_t *)w, y, M, N, K, accumulate);
         return;
     }
 #if defined(__AVX512BF16__)
