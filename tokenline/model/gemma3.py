@@ -110,7 +110,11 @@ class Gemma3ForCausalLM(DecoderLM):
         return self.norm(x)
 
     def fused_step_tokens(self) -> int:
-        """Gemma 3's layers are not the one-call Llama layer: every step runs per operator."""
+        """Gemma 3's layers are not the one-call Llama layer: every step runs per operator. For
+        tl_decode_layer_* to take them it would need QK-norm on q and k before RoPE, the post-attention
+        and post-feedforward norms before each residual add, tanh-GELU for SiLU in the gated MLP, the
+        layer's RoPE table (two bases) and its group's per-token tables with the window (which
+        tl_decode_attention already takes); the (1 + w) norm weights fold in at load time."""
         return 0
 
     def make_caches(
