@@ -93,10 +93,13 @@ class DecoderLM(CausalLM):
             return self.norm(fused)
         cos_sin = self.rotary.lookup(positions, x.dtype)
         for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            # Several KV cache groups: each attention layer reads its group's tables and window.
-            layer_meta = meta.groups[self.kv_layer_slots[index][0]] if meta.groups else meta
-            x = layer(x, positions, cos_sin, cache, layer_meta)
+            x = layer(x, positions, cos_sin, cache, self.layer_meta(index, meta))
         return self.norm(x)
+
+    def layer_meta(self, index: int, meta: AttentionMetadata) -> AttentionMetadata:
+        """The metadata layer ``index`` attends with: with several KV cache groups, its group's
+        tables and window; with one, the step's."""
+        return meta.groups[self.kv_layer_slots[index][0]] if meta.groups else meta
 
     def paged_kv_caches(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device

@@ -104,9 +104,8 @@ class Gemma3ForCausalLM(DecoderLM):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos_sin = {kind: rotary.lookup(positions, x.dtype) for kind, rotary in self.rotaries.items()}
         for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            # Several KV cache groups: each layer reads its group's block tables and window.
-            layer_meta = meta.groups[self.kv_layer_slots[index][0]] if meta.groups else meta
-            x = layer(x, positions, cos_sin[SLIDING if layer.sliding else "full_attention"], cache, layer_meta)
+            kind = SLIDING if layer.sliding else "full_attention"
+            x = layer(x, positions, cos_sin[kind], cache, self.layer_meta(index, meta))
         return self.norm(x)
 
     def fused_step_tokens(self) -> int:
