@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenline.model.config import ModelConfig
 from tokenline.store.model_store import resolve_model
 from tokenline.sim.accelerator import AcceleratorStepModel, accelerator_cost
 from tokenline.sim.machine import MachineError, builtin_machines, load_machine
@@ -55,6 +56,24 @@ def test_tensor_parallelism_splits_the_work_and_adds_communication() -> None:
     # Over PCIe (no NVLink) the same split pays more for its all-reduces.
     pcie = AcceleratorStepModel(cost, load_machine("l40s"), 4)
     assert pcie.parts(f)["comm"] > tp4.parts(f)["comm"]
+
+
+def test_a_layer_pays_for_the_kernels_its_architecture_launches() -> None:
+    """The fixed cost a layer adds is the table's Llama layer overhead scaled by the kernels vLLM
+    launches for it: q/k norms and Gemma 3's sandwich norms cost more than a Llama layer of the same
+    shape; an architecture not counted pays as a Llama layer."""
+    raw = json.loads(Path(LLAMA).read_text())
+    h100 = load_machine("h100")
+
+    def fixed(architecture: str) -> float:
+        config = ModelConfig.from_dict(dict(raw, architectures=[architecture]), FIXTURES)
+        return AcceleratorStepModel(accelerator_cost(config), h100).parts(StepFeatures(0, 1, 1024))["fixed"]
+
+    llama, qwen3, gemma = fixed("LlamaForCausalLM"), fixed("Qwen3ForCausalLM"), fixed("Gemma3ForCausalLM")
+    per_layer = h100.layer_overhead_us / 1e6
+    assert qwen3 - llama == pytest.approx(raw["num_hidden_layers"] * per_layer * 2 / 10)
+    assert gemma - llama == pytest.approx(raw["num_hidden_layers"] * per_layer * 4 / 10)
+    assert fixed("MistralForCausalLM") == pytest.approx(llama)
 
 
 def test_a_gpu_prediction_does_not_move_with_this_machines_calibration() -> None:

@@ -8,7 +8,7 @@ query-key pairs Q; N = P + D tokens, S = sequences sampled) of a model split ove
     attention = (C · KV bytes per token + 2 · D · state bytes) / (bw · η_bw) / tp
                 + 4 · (C + Q) · heads · head_dim · full-attention layers / (peak · η_attn) / tp
     comm      = layers · 2 · (all-reduce latency + 2 · (tp − 1)/tp · N · hidden · 2 B / link)   (tp > 1)
-    step      = step overhead + layers · layer overhead + linears + lm head + attention + comm
+    step      = step overhead + layers · layer overhead · kernels/10 + linears + lm head + attention + comm
 
 (on a sliding-window model C and Q are averaged over the attention layers, each sliding layer's
 counted at its window: ``ModelCost.attended``). bw, peak and link are the datasheet's (``machines/*.json``); η are achieved fractions and the
@@ -31,6 +31,16 @@ from tokenline.sim.machine import Machine
 from tokenline.sim.roofline_scaling import ModelCost, model_cost
 from tokenline.sim.step_model import StepFeatures
 
+# Kernels one decoder layer launches in vLLM's decode step. The machine table's layer overhead is a
+# Llama layer's ten (add-norm, qkv, rotary, cache write, attention, o_proj, add-norm, gate_up,
+# act-and-mul, down); q/k norms add two, Gemma 3's post-attention and post-feedforward norms two more.
+LLAMA_LAYER_KERNELS = 10
+LAYER_KERNELS = {
+    "Qwen3ForCausalLM": 12,
+    "Qwen3MoeForCausalLM": 12,
+    "Gemma3ForCausalLM": 14,
+    "Gemma3ForConditionalGeneration": 14,
+}
 ALL_REDUCE_LATENCY_S = 10e-6  # one small NCCL all-reduce within a node (NVLink); PCIe pays it in bandwidth
 ACTIVATION_BYTES = 2  # bf16 activations in the all-reduces
 
@@ -42,6 +52,7 @@ class AcceleratorCost:
     cost: ModelCost
     head_params: int  # the LM head (vocab × hidden), run on sampled rows only
     hidden_size: int
+    layer_kernels: int = LLAMA_LAYER_KERNELS  # per decoder layer (``LAYER_KERNELS``)
 
     @property
     def body_params(self) -> int:
@@ -49,7 +60,9 @@ class AcceleratorCost:
 
 
 def accelerator_cost(config: ModelConfig, dtype_size: int = 2) -> AcceleratorCost:
-    return AcceleratorCost(model_cost(config, dtype_size), config.vocab_size * config.hidden_size, config.hidden_size)
+    """Hybrid layers (Gated DeltaNet) and architectures not in ``LAYER_KERNELS`` count as a Llama layer."""
+    return AcceleratorCost(model_cost(config, dtype_size), config.vocab_size * config.hidden_size, config.hidden_size,
+                           LAYER_KERNELS.get(config.architecture, LLAMA_LAYER_KERNELS))
 
 
 @dataclass(frozen=True)
@@ -78,7 +91,8 @@ class AcceleratorStepModel:
         head = self.model.head_params
         context, pairs = c.attended(f)  # sliding-window layers read their window only
         parts = {
-            "fixed": (m.step_overhead_ms or 0.0) / 1e3 + c.num_layers * m.layer_overhead_us / 1e6,
+            "fixed": (m.step_overhead_ms or 0.0) / 1e3
+            + c.num_layers * m.layer_overhead_us / 1e6 * self.model.layer_kernels / LLAMA_LAYER_KERNELS,
             "linears": max(body * size / bw, 2 * tokens * body / mm) / self.tp,
             "lm_head": max(head * size / bw, 2 * sampled * head / mm) / self.tp if sampled else 0.0,
             "attention": ((context * c.kv_bytes_per_token + 2 * f.decode_seqs * c.state_bytes_per_sequence) / bw
