@@ -4,7 +4,7 @@
 # Each commit is checked out under OUTDIR (a git worktree, removed at the end).
 # usage: bench/serve_ab.sh OLD_REV NEW_REV OUTDIR   (from the repository root, after `make install`)
 # environment: SERVE_ARGS (e.g. "-q q8_0", given to both servers), CONCURRENCIES (default "1 8"; 4C
-# prompts each, 8 at c=1), PY (default .venv/bin/python), PORT (default 8765)
+# prompts each, 8 at c=1), PY (default .venv/bin/python), PORT (default 8765), ROUNDS (default 2)
 set -u
 OLD=$1; NEW=$2; OUT=$(realpath -m "$3"); mkdir -p "$OUT"
 REPO=$(pwd)
@@ -12,8 +12,9 @@ PY=${PY:-$REPO/.venv/bin/python}
 SERVE_ARGS=${SERVE_ARGS:-}
 CONCURRENCIES=${CONCURRENCIES:-1 8}
 PORT=${PORT:-8765}
+ROUNDS=${ROUNDS:-2}
 for rev in $OLD $NEW; do rm -rf "$OUT"/tree_$rev; git -C "$REPO" worktree add -q -f --detach "$OUT"/tree_$rev $rev; done
-for round in 1 2; do for rev in $OLD $NEW; do
+for round in $(seq $ROUNDS); do for rev in $OLD $NEW; do
   cd "$OUT"/tree_$rev
   PYTHONPATH="$OUT"/tree_$rev $PY -m tokenline.cli serve --host 127.0.0.1 --port $PORT $SERVE_ARGS > "$OUT"/server_${rev}_$round.log 2>&1 &
   pid=$!
