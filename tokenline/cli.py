@@ -524,7 +524,7 @@ def cmd_bench_prefill(args: argparse.Namespace) -> int:
     config = PrefillConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, prompt_len=args.prompt_len,
         cached_prefix=args.cached_prefix, chunk=args.chunk, repeats=args.repeats, matmul_size=args.matmul_size,
-        seed=args.seed,
+        seed=args.seed, clock=args.clock,
     )
     try:
         config.validate()
@@ -762,6 +762,9 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--repeats", type=int, default=3, help="timed prefills, fresh tokens each (median reported)")
     p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n x n bf16 matmul peak")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this thread's CPU time, peak included (run with OMP_NUM_THREADS=1: robust to "
+                        "neighbours on a shared machine)")
     p.add_argument("--output-json", default=None, metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=cmd_bench_prefill)
 

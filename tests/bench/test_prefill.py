@@ -29,6 +29,8 @@ def test_part_times_add_up() -> None:
         PrefillConfig(chunk=0).validate()
     with pytest.raises(ValueError):
         PrefillConfig(prompt_len=512, cached_prefix=512).validate()
+    with pytest.raises(ValueError):
+        PrefillConfig(clock="gpu").validate()
 
 
 def test_command_end_to_end(default_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,7 +46,7 @@ def test_command_end_to_end(default_model_dir: Path, tmp_path: Path, capsys: pyt
 
     report = json.loads(out.read_text())
     assert report["prompt_len"] == 240 and report["cached_prefix"] == 48 and report["chunk"] == 96
-    assert report["matmul_gflops_bf16"] > 0
+    assert report["matmul_gflops_bf16"] > 0 and report["clock"] == "wall"
     [run] = report["runs"]
     # The 48 cached tokens (three whole blocks) come from the cache; the 192 new ones go in two chunks.
     assert [(s["tokens"], s["context_len"]) for s in run] == [(96, 144), (96, 240)]

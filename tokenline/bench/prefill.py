@@ -9,7 +9,9 @@ attention over the paged cache, prefix included) and the rest (norms, activation
 runner). A step small enough for the one-call decode layer (``DecoderLM.fused_step_tokens``, a
 short last chunk) is timed whole only. The linears' FLOP/s is set against the bfloat16 matmul peak
 that ``machine_probes`` measures (an n x n x n ``torch.mm``), whatever the weights' format: the
-question is how much of the machine's matmul rate a prefill gets.
+question is how much of the machine's matmul rate a prefill gets. ``clock="cpu"`` (one torch thread)
+times the peak and every part by this thread's CPU time, so neighbours on a shared machine do not
+count (the engine runs in this process, its kernels on this thread).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PrefillConfig:
     repeats: int = 3  # timed prefills (fresh tokens each, the same cached prefix)
     matmul_size: int = 2048
     seed: int = 0
+    clock: str = "wall"  # or "cpu": this thread's CPU time (with one torch thread)
 
     def validate(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -52,6 +55,8 @@ class PrefillConfig:
             raise ValueError("cached_prefix must be at least 0 and shorter than prompt_len")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError("chunk must be positive")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
 
 
 @dataclass
@@ -85,14 +90,18 @@ class ChunkTiming:
     parts: PartTimes
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 class _StepTimers:
     """Forward hooks timing the decoder layers' linears and the attention modules of a model. The
     linears' hooks add to the attention module's inner time while one is open, so its own time is
     what is left. CPU work is synchronous, so wall clock around a module is its time."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, clock: Callable[[], float]) -> None:
         from tokenline.model.layers import Attention
 
+        self.clock = clock
         self.parts = PartTimes()
         self._open: dict[int, float] = {}
         self._inner_s = 0.0
@@ -110,10 +119,10 @@ class _StepTimers:
         self._handles.append(module.register_forward_hook(post))
 
     def _linear_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self._open[id(module)] = time.perf_counter()
+        self._open[id(module)] = self.clock()
 
     def _linear_post(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        seconds = time.perf_counter() - self._open.pop(id(module))
+        seconds = self.clock() - self._open.pop(id(module))
         self.parts.linear_s += seconds
         assert isinstance(module, nn.Linear)
         rows = args[0].numel() // module.in_features
@@ -122,13 +131,13 @@ class _StepTimers:
             self._inner_s += seconds
 
     def _attention_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self._open[id(module)] = time.perf_counter()
+        self._open[id(module)] = self.clock()
         self._attention_depth += 1
         self._inner_s = 0.0
 
     def _attention_post(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         self._attention_depth -= 1
-        self.parts.attention_s += time.perf_counter() - self._open.pop(id(module)) - self._inner_s
+        self.parts.attention_s += self.clock() - self._open.pop(id(module)) - self._inner_s
 
     def take(self) -> PartTimes:
         parts, self.parts = self.parts, PartTimes()
@@ -148,6 +157,7 @@ class PrefillReport:
     cached_prefix: int
     chunk: int
     torch_threads: int
+    clock: str
     matmul_gflops_bf16: float
     matmul_size: int
     load_avg_1m: float
@@ -185,7 +195,7 @@ class PrefillReport:
         quant = f", -q {self.quantization}" if self.quantization else ""
         others = "n/a" if self.others_cpu_share is None else f"{self.others_cpu_share:.0%}"
         lines = [
-            f"machine: {self.torch_threads} torch threads, load average {self.load_avg_1m:.2f} before, other "
+            f"machine: {self.torch_threads} torch threads, {self.clock} clock, load average {self.load_avg_1m:.2f} before, other "
             f"processes {others} of the CPU while timing; bfloat16 matmul peak ({self.matmul_size}^3 mm) {peak:.0f} GFLOP/s",
             f"model: {self.model} ({self.dtype}{quant}); a {self.prompt_len}-token prompt, its first "
             f"{self.cached_prefix} in the prefix cache, in chunks of {self.chunk}; the median of {len(self.runs)} prefills",
@@ -224,7 +234,8 @@ def run_prefill(config: PrefillConfig, log: Callable[[str], None] = lambda _: No
     model_dir = resolve_model(config.model)
     load = os.getloadavg()[0]
     log(f"measuring the bfloat16 matmul peak ({config.matmul_size}^3)")
-    peak = measure_matmul_gflops(torch.bfloat16, config.matmul_size)
+    clock = CLOCKS[config.clock]
+    peak = measure_matmul_gflops(torch.bfloat16, config.matmul_size, clock=clock)
     chunk = config.chunk or EngineConfig().max_num_batched_tokens
     block_size = EngineConfig().block_size
     longest = config.prompt_len + 1
@@ -241,10 +252,10 @@ def run_prefill(config: PrefillConfig, log: Callable[[str], None] = lambda _: No
     prompts = synthetic_prompts(config.repeats + 2, config.prompt_len, tokenizer.vocab_size, special, config.seed)
     prefix = prompts[0][: config.cached_prefix]
     sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True).with_defaults()
-    timers = _StepTimers(core.runner.model)
+    timers = _StepTimers(core.runner.model, clock)
     report = PrefillReport(
         model=str(model_dir), dtype=config.dtype, quantization=config.quantization, prompt_len=config.prompt_len,
-        cached_prefix=config.cached_prefix, chunk=chunk, torch_threads=torch.get_num_threads(),
+        cached_prefix=config.cached_prefix, chunk=chunk, torch_threads=torch.get_num_threads(), clock=config.clock,
         matmul_gflops_bf16=peak, matmul_size=config.matmul_size, load_avg_1m=load, others_cpu_share=None,
     )
 
@@ -255,10 +266,10 @@ def run_prefill(config: PrefillConfig, log: Callable[[str], None] = lambda _: No
         steps: list[tuple[int, PartTimes]] = []
         for _ in range(math.ceil(len(tokens) / chunk) + 2):
             timers.take()
-            start = time.perf_counter()
+            start = clock()
             outputs = core.step()
             parts = timers.take()
-            parts.step_s = time.perf_counter() - start
+            parts.step_s = clock() - start
             steps.append((sum(r.num_prefill_tokens for r in core.take_step_records()), parts))
             finished = [o for o in outputs if o.request_id == request_id and o.finish_reason is not None]
             if finished:
