@@ -14,6 +14,8 @@ row count, and each quantized format's ratio to bf16 (< 1: faster).
     OMP_NUM_THREADS=1 .venv/bin/python bench/quant_batched.py --threads 1 --clock cpu
     # beside the packed layout (tl_linear_qp), the same blocks in ggml's order (the kernels before it)
     OMP_NUM_THREADS=1 .venv/bin/python bench/quant_batched.py --threads 1 --clock cpu --blocks
+    # prefill chunks: beside tl_linear_qp, the path long chunks took before (a dequantized copy per call)
+    .venv/bin/python bench/quant_batched.py --rows 256 512 1024 --dequantized
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch
+import torch.nn.functional as F
 
 from tokenline.model import cpu_kernels
 from tokenline.model.layers import Linear
@@ -39,10 +43,26 @@ from linears import layer_shapes  # noqa: E402  (bench/, this script's own direc
 MODELS = {"smollm2-135m": (576, 1536, 9, 3, 64), "llama-3.2-1b": (2048, 8192, 32, 8, 64)}
 FORMATS = ("bf16", "q8_0", "q4_1")
 BLOCKS = "-blocks"  # a format's name + this: held in ggml's order (no packed panels)
+DEQUANTIZED = "-dequant"  # ... or this: multiplied through a bfloat16 copy dequantized per call
 STACK_BYTES = 96 << 20  # bf16 bytes of weights per format: past the last-level cache
 
 
-def build(fmt: str, shapes: list[tuple[int, int]], layers: int, generator: torch.Generator) -> list[list[Linear]]:
+class DequantizedPerCall:
+    """A quantized Linear multiplied as long prefill chunks were before tl_linear_qp took them: the
+    blocks unpacked and dequantized to a float32 matrix, rounded to bfloat16, then oneDNN."""
+
+    def __init__(self, linear: Linear) -> None:
+        self.linear = linear
+        self.in_features = linear.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, kernels = self.linear._quantized, self.linear._kernels
+        assert q is not None and kernels is not None
+        weight = kernels.dequantize_q(q.ggml_blocks(), q.code, q.out_features, q.in_features)
+        return F.linear(x, weight.to(torch.bfloat16))
+
+
+def build(fmt: str, shapes: list[tuple[int, int]], layers: int, generator: torch.Generator) -> list[list[Any]]:
     stack = []
     for _ in range(layers):
         row = []
@@ -54,11 +74,11 @@ def build(fmt: str, shapes: list[tuple[int, int]], layers: int, generator: torch
             if fmt == "bf16":
                 lin.prepare_for_inference()
             else:
-                assert lin.quantize_(fmt.removesuffix(BLOCKS))
+                assert lin.quantize_(fmt.removesuffix(BLOCKS).removesuffix(DEQUANTIZED))
                 q = lin._quantized
                 if fmt.endswith(BLOCKS) and q is not None and q.packed:
                     lin._quantized = QuantizedWeight(q.fmt, q.ggml_blocks(), q.out_features, q.in_features)
-            row.append(lin)
+            row.append(DequantizedPerCall(lin) if fmt.endswith(DEQUANTIZED) else lin)
         stack.append(row)
     return stack
 
@@ -73,8 +93,12 @@ def main() -> None:
                         help="cpu: this thread's CPU time (with --threads 1: robust to neighbours on a shared machine)")
     parser.add_argument("--blocks", action="store_true",
                         help="also time q8_0 / q4_1 held in ggml's block order (the kernels before the packed layout)")
+    parser.add_argument("--dequantized", action="store_true",
+                        help="also time q8_0 / q4_1 through a bfloat16 copy dequantized per call (long prefill "
+                             "chunks before tl_linear_qp took them)")
     args = parser.parse_args()
     formats = FORMATS + ((f"q8_0{BLOCKS}", f"q4_1{BLOCKS}") if args.blocks else ())
+    formats += (f"q8_0{DEQUANTIZED}", f"q4_1{DEQUANTIZED}") if args.dequantized else ()
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time

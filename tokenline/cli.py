@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from tokenline.engine.client import RestartPolicy
-from tokenline.engine.config import EngineConfig, parse_kv_events_config
+from tokenline.engine.config import QUANTIZATIONS, EngineConfig, parse_kv_events_config
 from tokenline.setting_field import OFFLINE, ROUTER, SERVE, SIMULATE
 from tokenline.settings.arg_types import positive_seconds
 from tokenline.settings.catalog import add_settings, settings_kwargs
@@ -518,6 +518,26 @@ def cmd_bench_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from tokenline.bench.prefill import PrefillConfig, run_prefill, write_json
+
+    config = PrefillConfig(
+        model=args.model, dtype=args.dtype, quantization=args.quantization, prompt_len=args.prompt_len,
+        cached_prefix=args.cached_prefix, chunk=args.chunk, repeats=args.repeats, matmul_size=args.matmul_size,
+        seed=args.seed, clock=args.clock,
+    )
+    try:
+        config.validate()
+    except ValueError as e:
+        print(f"tokenline bench prefill: {e}", file=sys.stderr)
+        return 2
+    report = run_prefill(config, log=lambda line: print(line, file=sys.stderr))
+    print(report.format_table())
+    if args.output_json:
+        write_json(report, Path(args.output_json))
+    return 0
+
+
 def cmd_usage(args: argparse.Namespace) -> int:
     from tokenline.gateway.ledger import usage_command
 
@@ -728,6 +748,25 @@ def build_parser() -> CommandLineParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None, metavar="FILE", help="also write the report as JSON")
     p.set_defaults(func=cmd_bench_roofline)
+
+    p = bench.add_parser("prefill", help="chunked prefill of a long prompt after a cached prefix: the linears' "
+                         "FLOP/s against the bf16 matmul peak, attention's time against theirs")
+    p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's dtype")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                   help="hold the linears in these ggml blocks, as serve -q does")
+    p.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens, the cached prefix included")
+    p.add_argument("--cached-prefix", type=int, default=512,
+                   help="the prompt's first tokens, left in the prefix cache by an earlier request")
+    p.add_argument("--chunk", type=int, default=None, help="token budget of a step (default: the engine's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills, fresh tokens each (median reported)")
+    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n x n bf16 matmul peak")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this thread's CPU time, peak included (run with OMP_NUM_THREADS=1: robust to "
+                        "neighbours on a shared machine)")
+    p.add_argument("--output-json", default=None, metavar="FILE", help="also write the report as JSON")
+    p.set_defaults(func=cmd_bench_prefill)
 
     p = bench.add_parser("calibrate", help="fit a step-time profile of the real engine on this machine (for simulate)")
     p.add_argument("--model", default=None, help="model directory or .gguf file (default: SmolLM2)")

@@ -203,10 +203,34 @@ def test_packed_kernel_is_within_the_activations_int8_rounding() -> None:
 
 
 @needs_kernels
-def test_bfloat16_linear_holds_only_packed_blocks_within_the_rounding() -> None:
+def test_packed_kernel_takes_prefill_chunks_row_by_row() -> None:
+    """tl_linear_qp on a prefill chunk (hundreds to a thousand rows, the threads sharing the rows'
+    quantization and then the panels): each row's outputs are bit for bit those of the row alone (so
+    a prompt's numbers do not depend on how it is chunked or what shares its step), within the int8
+    rounding bound of the float64 product on the dequantized weight."""
+    assert kernels is not None
+    if not kernels.has_avx512vnni:
+        pytest.skip("no AVX-512 VNNI here: weights stay in ggml's blocks")
+    generator = torch.Generator().manual_seed(8)
+    for fmt in QUANTIZATIONS:
+        n, k = 96, 192
+        w = torch.randn(n, k, generator=generator) * 0.05 + (0.02 if fmt == "q4_1" else 0.0)
+        q = quantize(w, fmt)
+        packed, dense = pack_panels(q), q.dequantize()
+        x = torch.randn(1029, k, generator=generator).bfloat16()
+        got = kernels.linear_qp(x, packed.blocks, q.code, n)
+        for lo, hi in [(0, 1), (5, 13), (500, 1029), (1028, 1029)]:
+            assert torch.equal(kernels.linear_qp(x[lo:hi].contiguous(), packed.blocks, q.code, n), got[lo:hi]), (fmt, lo)
+        exact = x.double() @ dense.double().T
+        bound = _int8_rounding_bound(x, dense, fmt)
+        assert ((got.double() - exact).abs() <= bound + 1e-5 * exact.abs() + 1e-6).all(), fmt
+
+
+@needs_kernels
+def test_bfloat16_linear_holds_only_packed_blocks_within_the_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bfloat16 model's quantized Linear on a VNNI CPU holds its blocks packed (no other copy) and
-    multiplies decode batches and prefill chunks with tl_linear_qp; a long chunk dequantizes the
-    unpacked blocks. Within the int8 rounding bound plus bfloat16's output rounding."""
+    multiplies decode batches and prefill chunks of any length with tl_linear_qp (nothing unpacked
+    or dequantized per call). Within the int8 rounding bound plus bfloat16's output rounding."""
     assert kernels is not None
     generator = torch.Generator().manual_seed(7)
     for fmt in QUANTIZATIONS:
@@ -216,12 +240,19 @@ def test_bfloat16_linear_holds_only_packed_blocks_within_the_rounding() -> None:
         q = layer._quantized
         assert q is not None and q.packed == kernels.has_avx512vnni
         dense = layer.plain_weight()
-        for rows in (1, 4, 8, 32, 200, QUANTIZED_BF16_DEQUANT_ROWS + 3):
-            x = torch.randn(rows, 256, generator=generator).bfloat16()
-            y = layer(x).double()
-            exact = x.double() @ dense.double().T
-            bound = _int8_rounding_bound(x, dense, fmt) if q.packed else 0.0
-            assert ((y - exact).abs() <= bound + exact.abs() * 2.0**-8 + 1e-3).all(), (fmt, rows)
+        with monkeypatch.context() as patch:
+            if q.packed:  # the packed kernel at every row count: no unpacked or dequantized copy, ever
+                patch.setattr(QuantizedWeight, "ggml_blocks", _refuse_unpacking)
+            for rows in (1, 4, 8, 32, 200, QUANTIZED_BF16_DEQUANT_ROWS + 3, 1100):
+                x = torch.randn(rows, 256, generator=generator).bfloat16()
+                y = layer(x).double()
+                exact = x.double() @ dense.double().T
+                bound = _int8_rounding_bound(x, dense, fmt) if q.packed else 0.0
+                assert ((y - exact).abs() <= bound + exact.abs() * 2.0**-8 + 1e-3).all(), (fmt, rows)
+
+
+def _refuse_unpacking(self: QuantizedWeight) -> torch.Tensor:
+    raise AssertionError("a packed layer unpacked its blocks in a matrix product")
 
 
 def test_bfloat16_decode_rows_through_quantized_linear_match_the_dequantized_weight() -> None:
@@ -334,6 +365,26 @@ def test_bfloat16_model_decodes_quantized_blocks_in_the_one_call_layer(default_m
             agree += out[0].outputs[0].token_ids[0] == want
             total += 1
     assert agree / total >= 0.85, f"{agree} of {total} next tokens agree"
+
+
+def test_bfloat16_quantized_prompt_gives_the_same_tokens_in_any_chunks(default_model_dir: Path) -> None:
+    """A bfloat16 model under -q q8_0 prefills a 768-token prompt in one step of 1024 tokens (a chunk
+    the layers once answered through a dequantized copy of each weight, other numbers than shorter
+    chunks' int8 rows) or in chunks of 128 or 96 (none short enough for the one-call decode layer):
+    the same greedy continuation each way, as every chunk now runs the packed kernel row by row."""
+    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hum a tune".split()
+    outputs = []
+    for budget in (1024, 128, 96):
+        llm = LLM(default_model_dir, dtype="bfloat16", num_kv_blocks=128, quantization="q8_0",
+                  max_num_batched_tokens=budget, enable_prefix_caching=False)
+        if not outputs:
+            text = " ".join(words[i * 7 % len(words)] for i in range(900))
+            prompt = llm.tokenizer.encode(text)[:768]
+            assert len(prompt) == 768
+        [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        outputs.append(list(out.outputs[0].token_ids))
+        del llm
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_the_hybrid_model_serves_quantized(tiny_qwen3_5) -> None:  # noqa: ANN001 - conftest's factory

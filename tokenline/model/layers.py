@@ -282,11 +282,12 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Packed panels (a bfloat16 model's, on a VNNI CPU): tl_linear_qp below
-        QUANTIZED_BF16_DEQUANT_ROWS rows, the rows rounded to int8 per block of 32.
-        Fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks (activations in float32;
-        bfloat16 rows from QUANTIZED_BF16_ROWS to QUANTIZED_BF16_DEQUANT_ROWS multiply in bfloat16, exact
-        codes, where the CPU has it).
+        """Packed panels (a bfloat16 model's, on a VNNI CPU): tl_linear_qp at every row count, decode
+        batches and prefill chunks alike, the rows rounded to int8 per block of 32 (a row's outputs do
+        not depend on the rows beside it, so a prompt's numbers do not depend on how it is chunked).
+        Blocks in ggml's order, fewer than QUANTIZED_GEMV_ROWS rows: our kernel reads the blocks
+        (activations in float32; bfloat16 rows from QUANTIZED_BF16_ROWS to QUANTIZED_BF16_DEQUANT_ROWS
+        multiply in bfloat16, exact codes, where the CPU has it).
         More rows, or no kernels: the weight dequantized for the call and a float matrix product, in
         bfloat16 for a bfloat16 model on a CPU with native bf16 (oneDNN, about twice float32's rate
         there; the weight rounded once per call), else in float32."""
@@ -295,7 +296,7 @@ class Linear(nn.Linear):
         flat = x.reshape(-1, self.in_features)
         if self._kernels is None:
             y = F.linear(flat.to(torch.float32), q.dequantize())
-        elif q.packed and flat.shape[0] < QUANTIZED_BF16_DEQUANT_ROWS:
+        elif q.packed:
             y = self._kernels.linear_qp(flat.contiguous(), q.blocks, q.code, q.out_features)
         elif (QUANTIZED_BF16_ROWS <= flat.shape[0] < QUANTIZED_BF16_DEQUANT_ROWS and x.dtype == torch.bfloat16
               and self._kernels.has_avx512bf16):

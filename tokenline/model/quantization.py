@@ -16,8 +16,9 @@ expands each panel of 16 weight rows once into exact bfloat16 codes for every ro
 prefill chunks); only a long prefill chunk dequantizes a whole matrix. A bfloat16 model's blocks on a
 CPU with AVX-512 VNNI are instead reordered once at load (``pack_panels``: the same bytes, the only
 copy) for ``tl_linear_qp``, which rounds the rows to int8 per block as llama.cpp does and multiplies
-with vpdpbusd at every batch size (faster than bfloat16 weights from 1 to 32 rows; the outputs differ
-from the dequantized weight's by that rounding). A float32 model keeps the exact kernels.
+with vpdpbusd at every batch size, decode steps and prefill chunks alike, never unpacking a panel
+(the outputs differ from the dequantized weight's by that rounding; a row's do not depend on the
+rows beside it). A float32 model keeps the exact kernels.
 """
 
 from __future__ import annotations

@@ -1984,6 +1984,22 @@ void tl_dequantize_q(int fmt, const uint8_t *w, float *out, int64_t N, int64_t K
  * holds: the same products as the float kernel, summed in another order. */
 #define TL_QB_ROWS 8 /* rows of x per register tile: 8 block sums + 8 accumulators + weight, d, m */
 
+#if defined(__AVX512F__)
+/* y[m0 + r, n0 .. n0 + 16) (+)= acc[r] for r < MT, the columns past N left alone: a register tile's
+ * store, shared by the quantized kernels. */
+static inline __attribute__((always_inline)) void store_rows16(const __m512 *acc, const int MT, float *y, int64_t m0,
+                                                               int64_t n0, int64_t N, int accumulate) {
+    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+    for (int r = 0; r < MT; r++) {
+        float *out = y + (m0 + r) * N + n0;
+        __m512 v = acc[r];
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out));
+        _mm512_mask_storeu_ps(out, mask, v);
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 /* The 16 x 16 transpose of 32-bit elements (r[j] lane p -> r[p] lane j): a block's 16 rows of 16
  * code pairs become 16 vectors of one pair for each of the 16 columns. */
@@ -2084,14 +2100,7 @@ static inline __attribute__((always_inline)) void qbf16_rows(const int fmt, cons
             for (int r = 0; r < MT; r++) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(m0 + r) * nb + b]), acc[r]);
         }
     }
-    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    for (int r = 0; r < MT; r++) {
-        float *out = y + (m0 + r) * N + n0;
-        __m512 v = acc[r];
-        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out));
-        _mm512_mask_storeu_ps(out, mask, v);
-    }
+    store_rows16(acc, MT, y, m0, n0, N, accumulate);
 }
 
 #define TL_QB_CASE(F, MT_)                                                                        \
@@ -2204,35 +2213,33 @@ int tl_has_avx512vnni(void) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
-/* Row-blocks of x (float32, bfloat16, or float32 rounded to bfloat16 first: xdtype 0 / 1 / 2) to int8
- * xq, their scales dx, the sums of their codes (Q8_0's +128 correction) and of their values (Q4_1's m). */
-static void quantize_rows_q8(int xdtype, const void *x, int64_t M, int64_t K, int8_t *xq, float *dx,
-                             int32_t *qsum, float *xsum) {
-    const int64_t nb = K / TL_QK;
-    for (int64_t r = 0; r < M * nb; r++) {
-        __m512 v[2];
-        for (int h = 0; h < 2; h++) {
-            const int64_t at = r * TL_QK + 16 * h;
-            if (xdtype == 1) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
-                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-            } else {
-                v[h] = _mm512_loadu_ps((const float *)x + at);
-                if (xdtype == 2) v[h] = round512_bf16(v[h]);
-            }
+/* Row-block r of x (float32, bfloat16, or float32 rounded to bfloat16 first: xdtype 0 / 1 / 2) to int8
+ * xq, its scale dx, -128 times the sum of its codes (where Q8_0's sums start: its codes are stored + 128;
+ * kept whole so a row tile's start is one broadcast load) and the sum of its values (Q4_1's m). */
+static inline void quantize_block_q8(int xdtype, const void *x, int64_t r, int8_t *xq, float *dx, int32_t *qsum,
+                                     float *xsum) {
+    __m512 v[2];
+    for (int h = 0; h < 2; h++) {
+        const int64_t at = r * TL_QK + 16 * h;
+        if (xdtype == 1) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
+            v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        } else {
+            v[h] = _mm512_loadu_ps((const float *)x + at);
+            if (xdtype == 2) v[h] = round512_bf16(v[h]);
         }
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        __m512i sum = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv))); /* nearest */
-            sum = _mm512_add_epi32(sum, q);
-            _mm_storeu_si128((__m128i *)(xq + r * TL_QK + 16 * h), _mm512_cvtsepi32_epi8(q));
-        }
-        dx[r] = d;
-        qsum[r] = _mm512_reduce_add_epi32(sum);
-        xsum[r] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv))); /* nearest */
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128((__m128i *)(xq + r * TL_QK + 16 * h), _mm512_cvtsepi32_epi8(q));
+    }
+    dx[r] = d;
+    qsum[r] = -128 * _mm512_reduce_add_epi32(sum);
+    xsum[r] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
 }
 
 /* y[m0 .. m0 + MT, panel's 16 columns) (+)= the quantized rows times the panel. */
@@ -2263,7 +2270,7 @@ static inline __attribute__((always_inline)) void qp_rows(const int fmt, const i
          * Rows inner: MT independent vpdpbusd chains in flight, not one chain of 8 (latency-bound). */
         __m512i isum[TL_QP_ROWS];
         for (int r = 0; r < MT; r++)
-            isum[r] = fmt == TL_W_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * qsum[(m0 + r) * nb + b]);
+            isum[r] = fmt == TL_W_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(qsum[(m0 + r) * nb + b]);
         for (int g = 0; g < 8; g++)
             for (int r = 0; r < MT; r++) {
                 const int32_t *xr = (const int32_t *)(xq + ((m0 + r) * nb + b) * TL_QK);
@@ -2275,14 +2282,7 @@ static inline __attribute__((always_inline)) void qp_rows(const int fmt, const i
             if (fmt == TL_W_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[rb]), acc[r]);
         }
     }
-    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-    for (int r = 0; r < MT; r++) {
-        float *out = y + (m0 + r) * N + n0;
-        __m512 v = acc[r];
-        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out));
-        _mm512_mask_storeu_ps(out, mask, v);
-    }
+    store_rows16(acc, MT, y, m0, n0, N, accumulate);
 }
 
 #define TL_QP_CASE(F, MT_)                                                                        \
@@ -2293,7 +2293,7 @@ static inline __attribute__((always_inline)) void qp_rows(const int fmt, const i
     TL_QP_CASE(F, 5) TL_QP_CASE(F, 6) TL_QP_CASE(F, 7) TL_QP_CASE(F, 8)
 #endif
 
-/* y (+)= x @ w^T for packed w [N, K] (N a multiple of 16) and rows x of xdtype (see quantize_rows_q8).
+/* y (+)= x @ w^T for packed w [N, K] (N a multiple of 16) and rows x of xdtype (see quantize_block_q8).
  * Without AVX-512 VNNI nothing is packed (tl_has_avx512vnni), and this writes NaN: never silently wrong. */
 static void linear_qp(int fmt, int xdtype, const void *x, const uint8_t *w, float *y, int64_t M, int64_t N,
                       int64_t K, int accumulate) {
@@ -2303,20 +2303,26 @@ static void linear_qp(int fmt, int xdtype, const void *x, const uint8_t *w, floa
     if (xq && !(N % 16)) {
         float *dx = (float *)(xq + ((M * K + 63) & ~(int64_t)63)), *xsum = dx + M * nb;
         int32_t *qsum = (int32_t *)(xsum + M * nb);
-        quantize_rows_q8(xdtype, x, M, K, xq, dx, qsum, xsum);
         const int64_t groups = (M + TL_QP_ROWS - 1) / TL_QP_ROWS;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < panels; t++) {
-            const int64_t n0 = t * 16;
-            const uint8_t *panel = w + t * nb * chunk;
-            for (int64_t m0 = 0, g = 0; m0 < M; g++) { /* balanced row tiles of at most TL_QP_ROWS */
-                const int mt = (int)((M - m0 + (groups - g) - 1) / (groups - g));
-                switch (fmt * 16 + mt) {
-                    TL_QP_CASES(TL_W_Q4_1)
-                    TL_QP_CASES(TL_W_Q8_0)
-                default: break;
+        /* One parallel region: the threads quantize the rows (a prefill chunk's are worth sharing),
+         * then, after the loop's barrier, split the panels. */
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M * nb; r++) quantize_block_q8(xdtype, x, r, xq, dx, qsum, xsum);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < panels; t++) {
+                const int64_t n0 = t * 16;
+                const uint8_t *panel = w + t * nb * chunk;
+                for (int64_t m0 = 0, g = 0; m0 < M; g++) { /* balanced row tiles of at most TL_QP_ROWS */
+                    const int mt = (int)((M - m0 + (groups - g) - 1) / (groups - g));
+                    switch (fmt * 16 + mt) {
+                        TL_QP_CASES(TL_W_Q4_1)
+                        TL_QP_CASES(TL_W_Q8_0)
+                    default: break;
+                    }
+                    m0 += mt;
                 }
-                m0 += mt;
             }
         }
         free(xq);
