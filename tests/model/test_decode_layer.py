@@ -4,6 +4,7 @@ without it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from tokenline.model.attention import AttentionMetadata
 from tokenline.model.batch import FUSED_DECODE_ROWS, ScheduledBatch, ScheduledSeq
 from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import bf16_fused_rows
+from tokenline.model.gemma3 import Gemma3DecoderLayer
 from tokenline.model.layers import Attention, RMSNorm, RotaryEmbedding, prepare_for_inference, small_batch_rows
 from tokenline.model.llama import LlamaDecoderLayer
 from tokenline.model.quantization import pack_panels
@@ -417,3 +419,139 @@ def test_bfloat16_model_decodes_through_the_one_call_layers(default_model_dir: P
         model.fused_decode_rows = FUSED_DECODE_ROWS
     assert outputs["fused"] == outputs["torch"]
     assert all(lp is not None for step in outputs["torch"] for _, lp in step)  # log-probs compared too
+
+
+# -- Gemma 3's layer: the same kernels with their options ------------------------------------------
+
+GEMMA_WINDOW = 40  # shorter than most rows' contexts in _decode_step (1..199 tokens)
+
+
+def _gemma_layer(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, sliding: bool,
+                 generator: torch.Generator) -> Gemma3DecoderLayer:
+    """A Gemma 3 layer with random weights: zero-centred norms of every kind (q/k norms too), GELU,
+    a score scale other than 1/sqrt(head_dim), sliding (window GEMMA_WINDOW) or global."""
+    config = ModelConfig(
+        architecture="Gemma3ForCausalLM", vocab_size=64, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=True,
+        layer_types=["sliding_attention" if sliding else "full_attention"], sliding_window=GEMMA_WINDOW,
+        raw={"query_pre_attn_scalar": 48, "hidden_activation": "gelu_pytorch_tanh"},
+    )
+    layer = Gemma3DecoderLayer(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        for norm in (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.self_attn.q_norm,
+                     layer.self_attn.k_norm):
+            norm.weight.add_(0.5)  # zero-centred: (1 + w) ~ 1.5
+    return layer.eval()
+
+
+def _gemma_both_paths(layer: Gemma3DecoderLayer, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                      meta: AttentionMetadata, dtype: torch.dtype):
+    """The torch layer and the fused kernel (the meta's window as the runner's group metadata
+    carries it), each on its own copy of ``kv``: (torch output, fused output, torch's cache, the kernel's)."""
+    assert kernels is not None
+    weights = layer.decode_weights()
+    assert weights is not None
+    weights.check()
+    rotary = RotaryEmbedding(layer.self_attn.head_dim, 1_000_000.0)
+    cos_sin = rotary.lookup(positions, dtype)
+    kv_torch, kv_fused = kv.clone(), kv.clone()
+    cos, sin = (t.reshape(x.shape[0], -1).contiguous() for t in cos_sin)
+    rows = cpu_kernels.DecodeRows(cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                  meta.max_decode_context_len, layer.self_attn.window)
+    scratch = torch.empty(cpu_kernels.decode_layer_scratch(x.shape[0], weights))
+    got = x.clone()
+    with torch.inference_mode():
+        expected = layer(x.clone(), positions, cos_sin, kv_torch, meta)
+        kernels.decode_layer_(got, weights, rows, kv_fused[0], kv_fused[1], scratch)
+    return expected, got, kv_torch, kv_fused
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 12])
+@pytest.mark.parametrize("sliding", [True, False], ids=["sliding", "global"])
+@pytest.mark.parametrize("shape", [(640, 2048, 4, 1, 256), (96, 160, 3, 1, 32)])  # Gemma 3 270M's layer; a small one
+def test_gemma3_fused_layer_matches_torch_layer(rows: int, sliding: bool, shape: tuple[int, ...]) -> None:
+    """Gemma 3's layer through the float32 one-call kernel: q/k norms before RoPE, norms after
+    attention and the MLP, GELU, its score scale and (sliding) the window agree with the torch layer."""
+    generator = torch.Generator().manual_seed(rows * 5 + shape[0] + sliding)
+    layer = _gemma_layer(*shape, sliding=sliding, generator=generator)
+    x, positions, kv, meta = _decode_step(_config(*shape), rows, generator)
+    expected, got, kv_torch, kv_fused = _gemma_both_paths(layer, x, positions, kv, meta, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=5e-6 * expected.abs().max().item())
+    torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)
+    # Each option matters: without any one of them (or the window, below) the output lands elsewhere.
+    weights = layer.decode_weights()
+    assert weights is not None
+    for other in (dataclasses.replace(weights, gelu=False), dataclasses.replace(weights, post_attn_norm=None),
+                  dataclasses.replace(weights, q_norm=None), dataclasses.replace(weights, scale=None)):
+        out = x.clone()
+        cos, sin = (t.reshape(rows, -1).contiguous()
+                    for t in RotaryEmbedding(shape[4], 1_000_000.0).lookup(positions, torch.float32))
+        step = cpu_kernels.DecodeRows(cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                      meta.max_decode_context_len, layer.self_attn.window)
+        kernels.decode_layer_(out, other, step, kv.clone()[0], kv.clone()[1],  # type: ignore[union-attr]
+                              torch.empty(cpu_kernels.decode_layer_scratch(rows, other)))
+        assert (out - expected).abs().max() > 1e-3
+    if sliding and int(meta.decode_context_lens.max()) > GEMMA_WINDOW:
+        layer.self_attn.window = None
+        with torch.inference_mode():
+            unwindowed = layer(x.clone(), positions, RotaryEmbedding(shape[4], 1_000_000.0).lookup(
+                positions, torch.float32), kv.clone(), meta)
+        assert (unwindowed - got).abs().max() > 1e-3  # the window mattered
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemma3_fused_layer_reads_quantized_blocks_like_the_torch_layer(fmt: str, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows + 17)
+    shape = (96, 160, 3, 1, 32)
+    layer = _gemma_layer(*shape, sliding=True, generator=generator)
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.quantize_(fmt)
+    x, positions, kv, meta = _decode_step(_config(*shape), rows, generator)
+    expected, got, kv_torch, kv_fused = _gemma_both_paths(layer, x, positions, kv, meta, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_fused, kv_torch, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_kernels.cpu_has_native_bf16(), reason="oneDNN packs bfloat16 weights only on native-bf16 CPUs")
+@pytest.mark.parametrize("rows", sorted({1, 2, 13, small_batch_rows()}))
+@pytest.mark.parametrize("sliding", [True, False], ids=["sliding", "global"])
+def test_gemma3_bfloat16_fused_layer_is_the_torch_layer(rows: int, sliding: bool) -> None:
+    """A bfloat16 Gemma 3 layer on oneDNN's packed tiles: its zero-centred norms scale in float32
+    before the one rounding (float32 1 + w), GELU rounds where torch's two ops round; at a handful of
+    rows every kernel is the torch layer's: (mostly) the same bits."""
+    shape = (640, 2048, 4, 1, 256)
+    generator = torch.Generator().manual_seed(rows * 3 + sliding)
+    layer = _gemma_layer(*shape, sliding=sliding, generator=generator).to(torch.bfloat16)
+    prepare_for_inference(layer)
+    weights = layer.decode_weights()
+    assert weights is not None and weights.fmt == cpu_kernels.BF16_PACKED and weights.f32_norms
+    x, positions, kv, meta = _decode_step(_config(*shape), rows, generator)
+    x, kv = x.bfloat16(), kv.bfloat16()
+    expected, got, kv_torch, kv_fused = _gemma_both_paths(layer, x, positions, kv, meta, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    # The rounding scheme is torch's: most rows come out the same bits. A sum over a norm's row in
+    # another order than torch's can flip one rounding, and that row then moves by bfloat16 ulps.
+    same_rows = (got.view(torch.int16) == expected.view(torch.int16)).all(-1).float().mean().item()
+    assert same_rows >= 0.75, f"{same_rows:.0%} of the rows are the torch layer's bits"
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=2**-6 * scale)
+    torch.testing.assert_close(kv_fused.float(), kv_torch.float(), rtol=2**-7, atol=2**-6)  # K/V are O(1) here
+    assert (got.float() - x.float() - expected.float()).abs().max() > 1e-1  # the residual matters
+
+
+def test_gemma3_layers_offer_decode_weights() -> None:
+    """Gemma 3's layer runs in the one-call kernel (its norms folded to float32 1 + w); Qwen3's plain
+    q/k norms are still refused."""
+    layer = _gemma_layer(96, 160, 3, 1, 32, sliding=True, generator=torch.Generator().manual_seed(0))
+    weights = layer.decode_weights()
+    assert weights is not None and weights.gelu and weights.scale == 48**-0.5
+    assert weights.q_norm is not None and weights.post_ff_norm is not None
+    torch.testing.assert_close(weights.input_norm, 1.0 + layer.input_layernorm.weight)
+    torch.testing.assert_close(weights.k_norm, 1.0 + layer.self_attn.k_norm.weight)

@@ -244,6 +244,58 @@ def test_greedy_batched_equals_transformers(
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
+def _greedy_fused_and_torch(engine: EngineCore, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    """Greedy tokens of ``prompts`` in one batch through the one-call decode layers, then through the
+    per-operator path; the one-call layers' calls are counted (the batch's decode steps among them)."""
+    model = engine.runner.model
+    fused_layers = model._fused_layers_or_none()
+    assert fused_layers is not None and model.fused_step_tokens() > 0
+    kernels, rows = fused_layers[0], model.fused_decode_rows
+    original = kernels.decode_layer_
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor, *args: object) -> None:
+        calls.append(x.shape[0])
+        original(x, *args)
+
+    tokens = {}
+    kernels.decode_layer_ = counting  # type: ignore[method-assign]
+    try:
+        for path, fused_rows in (("fused", rows), ("torch", 0)):
+            engine.reset_prefix_cache()
+            model.fused_decode_rows = fused_rows
+            calls.clear()
+            tokens[path] = _run_engine(engine, prompts)
+            assert (len(prompts) in calls) == (path == "fused")  # the batch's decode rows, in one call a layer
+    finally:
+        kernels.decode_layer_ = original  # type: ignore[method-assign]
+        model.fused_decode_rows = rows
+    return tokens
+
+
+def test_one_call_layers_decode_as_the_torch_path(
+    llm: Any, prompts: dict[int, list[int]], expected: dict[int, list[int]]
+) -> None:
+    """float32: the batch's decode steps (both prompts past their window's start or not) through the
+    one-call layers pick the per-operator path's tokens, and transformers'."""
+    tokens = _greedy_fused_and_torch(llm.engine, [prompts[100], prompts[600]])
+    assert tokens["fused"] == tokens["torch"] == [expected[100], expected[600]]
+
+
+def test_bfloat16_one_call_layers_decode_as_the_torch_path(gemma_dir: Path, prompts: dict[int, list[int]]) -> None:
+    """bfloat16 on oneDNN's packed tiles: the one-call layers round as the per-operator path's
+    kernels do (its zero-centred norms in float32 before the rounding): the same greedy tokens."""
+    from tokenline.llm import LLM
+    from tokenline.model import cpu_kernels
+
+    if not cpu_kernels.cpu_has_native_bf16():
+        pytest.skip("oneDNN packs bfloat16 weights only on native-bf16 CPUs")
+    llm = LLM(gemma_dir, dtype="bfloat16", kv_cache_memory_gib=0.25)
+    assert llm.engine.runner.model._fused_layers_or_none()[1][0].fmt == cpu_kernels.BF16_PACKED
+    tokens = _greedy_fused_and_torch(llm.engine, [prompts[100], prompts[600]])
+    assert tokens["fused"] == tokens["torch"]
+
+
 def test_chunked_prefill_and_prefix_hit_equal_transformers(
     llm: Any, prompts: dict[int, list[int]], expected: dict[int, list[int]]
 ) -> None:

@@ -73,3 +73,54 @@ def test_prefill_chunks_and_decode_match_reference(model_dir: Path) -> None:
             _poison_before_window(caches, s)
         got_a, got_b, got_c = step.run(model, caches, [(a, 1), (b, 1), (c, 1)])  # type: ignore[arg-type]
         check(a, got_a, 1), check(b, got_b, 1), check(c, got_c, 1)
+
+
+# -- the one-call decode layers -------------------------------------------------------------------
+
+# dtype, --quantization: float32 and its quantized form compute in float32, bfloat16 on packed tiles.
+FUSED_CASES = [("float32", None), ("float32", "q8_0"), ("bfloat16", None)]
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), FUSED_CASES, ids=["float32", "q8_0", "bfloat16"])
+def test_engine_greedy_through_the_one_call_layers_equals_the_torch_path(
+    model_dir: Path, dtype: str, quantization: str | None
+) -> None:
+    """Through the engine (KV cache groups, chunks of 7 beside decodes, prompts shorter and longer
+    than the window): the steps go through the one-call layers (counted; every group's per-token
+    tables and window) and pick the greedy tokens the per-operator path picks (float32: transformers' too)."""
+    from tests.engine.test_sliding_window_engine import generate, hf_greedy, make_engine
+    from tokenline.model import cpu_kernels
+    from tokenline.model.runner import ModelRunner
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler here: the torch path is used")
+    if dtype == "bfloat16" and not cpu_kernels.cpu_has_native_bf16():
+        pytest.skip("oneDNN packs bfloat16 weights only on native-bf16 CPUs")
+    runner = ModelRunner(model_dir, getattr(torch, dtype), quantization=quantization)
+    model = runner.model
+    assert model.fused_step_tokens() > 0
+    fused_layers = model._fused_layers_or_none()
+    assert fused_layers is not None
+    kernels = fused_layers[0]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 1024, (n,), generator=gen).tolist() for n in (5, 13, 30)]
+    calls: list[int] = []
+    original = kernels.decode_layer_
+
+    def counting(x: torch.Tensor, *args: object) -> None:
+        calls.append(x.shape[0])
+        original(x, *args)
+
+    outputs = {}
+    kernels.decode_layer_ = counting  # type: ignore[method-assign]
+    try:
+        for path, rows in (("torch", 0), ("fused", model.fused_decode_rows)):
+            model.fused_decode_rows = rows
+            outputs[path] = generate(make_engine(runner, 256, budget=7), prompts)
+            assert bool(calls) == (path == "fused")
+    finally:
+        kernels.decode_layer_ = original  # type: ignore[method-assign]
+    assert 1 in calls and max(calls) > 1  # decode rows alone, and steps of several tokens
+    assert outputs["fused"] == outputs["torch"]
+    if dtype == "float32" and quantization is None:
+        assert outputs["fused"] == hf_greedy(model_dir, prompts)

@@ -132,10 +132,10 @@ class CpuKernels:
         lib.tl_dequantize_q.argtypes = [ctypes.c_int, _P, _P, _I, _I]
         lib.tl_dequantize_q.restype = None
         lib.tl_decode_layer_f32.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P,
-                                            _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
+                                            _P, _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P, _P]
         lib.tl_decode_layer_f32.restype = None
         lib.tl_decode_layer_bf16.argtypes = [_P, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P,
-                                             _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P]
+                                             _P, _P, _P, _I, _P, _I, _I, ctypes.c_float, _P, _P]
         lib.tl_decode_layer_bf16.restype = None
         lib.tl_prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, ctypes.c_float,
                                                   _I, _P]
@@ -345,7 +345,9 @@ class CpuKernels:
     def decode_layer_(self, x: torch.Tensor, w: DecodeLayerWeights, rows: DecodeRows, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, scratch: torch.Tensor) -> None:
         """One Llama decoder layer on decode rows x [M, H], in place: norm, q|k|v, RoPE, the K/V write
-        into the paged cache, attention, o_proj + residual, norm, gate|up, SiLU * up, down + residual.
+        into the paged cache, attention, o_proj + residual, norm, gate|up, SiLU * up, down + residual;
+        with Gemma 3's options in ``w`` (q/k norms, post norms, GELU, its score scale) and the rows'
+        sliding ``window``, that layer.
         x is float32 (float32 panels or quantized weights: ``tl_decode_layer_f32``) or bfloat16
         (oneDNN's packed bfloat16 tiles: ``tl_decode_layer_bf16``, the per-operator path's own
         kernels and roundings). ``scratch``: at least :func:`decode_layer_scratch` float32 values."""
@@ -362,6 +364,8 @@ class CpuKernels:
         if (rows.cos.shape != (m, w.head_dim) or rows.cos.dtype != dtype or rows.slots.shape != (m,)
                 or rows.block_tables.shape[0] != m):
             raise ValueError("decode_layer_: the step's rows do not fit x")
+        opts = ctypes.byref(w.options(rows.window))
+        scale = w.scale if w.scale is not None else 1.0 / math.sqrt(w.head_dim)
         if w.fmt == BF16_PACKED:
             assert w.blocking is not None
             self._lib.tl_decode_layer_bf16(
@@ -370,7 +374,7 @@ class CpuKernels:
                 w.kv_heads, w.head_dim, rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 rows.slots.data_ptr(), rows.block_tables.data_ptr(), rows.block_tables.shape[1],
                 rows.context_lens.data_ptr(), k_cache.shape[1], max(1, rows.max_context_len),
-                1.0 / math.sqrt(w.head_dim), scratch.data_ptr(),
+                scale, scratch.data_ptr(), opts,
             )
             return
         self._lib.tl_decode_layer_f32(
@@ -378,7 +382,7 @@ class CpuKernels:
             w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(), inter, w.heads, w.kv_heads, w.head_dim,
             rows.cos.data_ptr(), rows.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.slots.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.context_lens.data_ptr(),
-            k_cache.shape[1], max(1, rows.max_context_len), 1.0 / math.sqrt(w.head_dim), scratch.data_ptr(),
+            k_cache.shape[1], max(1, rows.max_context_len), scale, scratch.data_ptr(), opts,
         )
 
 
@@ -419,6 +423,13 @@ BF16_ROWS_FLAG = 16
 PACKED_FLAG = 32
 
 
+class LayerOptions(ctypes.Structure):
+    """csrc tl_layer_opts: what a decode layer adds to Llama's (NULL pointers and zeros: nothing)."""
+
+    _fields_ = [("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_ff_norm", _P),
+                ("gelu", _I), ("window", _I), ("f32_norms", _I)]
+
+
 @dataclass(frozen=True)
 class DecodeLayerWeights:
     """One Llama layer's weights as ``decode_layer_`` reads them: float32 column panels
@@ -446,12 +457,36 @@ class DecodeLayerWeights:
     bf16_rows: bool = False
     # Quantized blocks in quantization.pack_panels' layout (multiplied by tl_linear_qp's kernel).
     packed: bool = False
+    # Gemma 3 beyond Llama: q/k norms [head_dim] before RoPE, norms [H] of o_proj's and down_proj's
+    # outputs before each residual add (each None: none), tanh-GELU for SiLU, the score factor (None:
+    # 1/sqrt(head_dim)). Zero-centred norms come folded (1 + w, float32); beside packed tiles
+    # ``f32_norms`` says every norm of the layer is such a float32 weight, scaling before the rounding.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None
+    gelu: bool = False
+    scale: float | None = None
+    f32_norms: bool = False
+
+    def options(self, window: int | None) -> LayerOptions:
+        """The kernel's options struct for this layer and the rows' sliding ``window``."""
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        return LayerOptions(ptr(self.q_norm), ptr(self.k_norm), ptr(self.post_attn_norm), ptr(self.post_ff_norm),
+                            int(self.gelu), window or 0, int(self.f32_norms))
 
     def check(self) -> None:
-        norms, matrices = (self.input_norm, self.post_norm), (self.qkv, self.o, self.gate_up, self.down)
+        extra = [t for t in (self.post_attn_norm, self.post_ff_norm) if t is not None]
+        head_norms = [t for t in (self.q_norm, self.k_norm) if t is not None]
+        norms, matrices = (self.input_norm, self.post_norm, *extra, *head_norms), (self.qkv, self.o, self.gate_up, self.down)
         bf16 = self.fmt == BF16_PACKED
         dtype = torch.float32 if self.fmt == 0 else torch.bfloat16 if bf16 else torch.uint8
-        if (any(t.dtype != (torch.bfloat16 if bf16 else torch.float32) for t in norms)
+        if (any(t.dtype != (torch.bfloat16 if bf16 and not self.f32_norms else torch.float32) for t in norms)
+                or any(t.shape != (self.input_norm.shape[0],) for t in extra)
+                or any(t.shape != (self.head_dim,) for t in head_norms)
+                or (self.f32_norms and not bf16)
                 or any(t.dtype != dtype for t in matrices)
                 or any(t.device.type != "cpu" or not t.is_contiguous() for t in (*norms, *matrices))):
             raise ValueError("decode_layer_ takes contiguous CPU weights: float32 panels, uint8 blocks by fmt, "
@@ -486,6 +521,7 @@ class DecodeRows:
     block_tables: torch.Tensor  # [M, width] int64
     context_lens: torch.Tensor  # [M] int64
     max_context_len: int
+    window: int | None = None  # a sliding KV cache group's: each row sees its last ``window`` positions
 
 
 @dataclass(frozen=True)

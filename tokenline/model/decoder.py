@@ -6,11 +6,12 @@ it also sets the norm class and the rotary width. Every layer is called the same
 ``layer(x, positions, cos_sin, cache, meta) -> x``, whatever mixes its tokens (attention over the
 paged KV cache, a recurrent layer over its state slot).
 
-A step of a few dozen tokens skips that: when every layer offers ``decode_weights()`` (plain
-Llama layers: float32, quantized, or bfloat16 packed for oneDNN), each runs as one C call
+A step of a few dozen tokens skips that: when every layer offers ``decode_weights()`` (Llama or
+Gemma 3 layers: float32, quantized, or bfloat16 packed for oneDNN), each runs as one C call
 (cpu_kernels.decode_layer_), since at batch 1 dispatching ~25 torch operators a layer costs as much
 as reading its weights. Every token is a
-decode query there (the runner's per-token tables, AttentionMetadata.token_block_tables): a decode
+decode query there (the runner's per-token tables of each layer's KV cache group,
+AttentionMetadata.token_block_tables, with the group's window): a decode
 row, or a token of a prefill chunk or of a draft run, attending up to its own position; the layer
 writes all the step's K/V before any row attends.
 """
@@ -120,9 +121,8 @@ class DecoderLM(CausalLM):
         in float32 (a bfloat16 model's rows widened for them); oneDNN's packed bfloat16 tiles in
         bfloat16, rounding as the per-operator path does."""
         rows = x.shape[0]
-        if (not 1 <= rows <= self.fused_step_tokens() or meta.token_context_lens is None
-                or meta.token_block_tables is None or meta.token_context_lens.shape[0] != rows
-                or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"):
+        if (not 1 <= rows <= self.fused_step_tokens() or x.dtype not in (torch.float32, torch.bfloat16)
+                or x.device.type != "cpu"):
             return None
         fused = self._fused_layers_or_none()
         assert fused is not None  # fused_step_tokens() > 0 says the layers are there
@@ -130,25 +130,43 @@ class DecoderLM(CausalLM):
         bf16 = weights[0].fmt == cpu_kernels.BF16_PACKED
         if bf16 and x.dtype != torch.bfloat16:
             return None
-        cos, sin = (t.reshape(rows, -1) for t in self.rotary.lookup(positions, x.dtype if bf16 else torch.float32))
-        if cos.shape[-1] != weights[0].head_dim:  # partial rotary
-            return None
-        step = cpu_kernels.DecodeRows(cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.token_block_tables,
-                                      meta.token_context_lens, meta.max_token_context_len)
+        # Each layer's rows: its KV cache group's per-token tables, slots and window, and its RoPE
+        # table (Gemma 3's two bases); built once per (group, table) for the step.
+        rotary_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        steps: dict[tuple[int, int], cpu_kernels.DecodeRows] = {}
+        layer_rows: list[cpu_kernels.DecodeRows] = []
+        for index in range(len(weights)):
+            group, rotary = self.layer_meta(index, meta), self.layer_rotary(index)
+            key = (id(group), id(rotary))
+            if key not in steps:
+                if (group.token_context_lens is None or group.token_block_tables is None
+                        or group.token_context_lens.shape[0] != rows):
+                    return None
+                if id(rotary) not in rotary_rows:
+                    cos, sin = (t.reshape(rows, -1).contiguous()
+                                for t in rotary.lookup(positions, x.dtype if bf16 else torch.float32))
+                    if cos.shape[-1] != weights[index].head_dim:  # partial rotary
+                        return None
+                    rotary_rows[id(rotary)] = (cos, sin)
+                steps[key] = cpu_kernels.DecodeRows(*rotary_rows[id(rotary)], group.slot_mapping, group.token_block_tables,
+                                                    group.token_context_lens, group.max_token_context_len, group.window)
+            layer_rows.append(steps[key])
         # x itself when already in the kernel's dtype and contiguous (a fresh embedding lookup).
         hidden = (x if bf16 else x.to(torch.float32)).contiguous()
-        for w, cache in zip(weights, caches, strict=True):
+        for w, step, cache in zip(weights, layer_rows, caches, strict=True):
             kernels.decode_layer_(hidden, w, step, cache[0], cache[1], scratch)  # type: ignore[index]
         return hidden.to(x.dtype)
 
+    def layer_rotary(self, index: int) -> RotaryEmbedding:
+        """The RoPE table layer ``index`` rotates with: the model's one unless the family has several."""
+        return self.rotary
+
     def fused_step_tokens(self) -> int:
         """The most tokens a step may have for the one-call decode layers to take it; 0 when this
-        model's layers cannot run there (not plain Llama layers on CPU with float32, quantized or
+        model's layers cannot run there (not Llama or Gemma 3 layers on CPU with float32, quantized or
         packed bfloat16 projections, or no kernels). The runner builds the per-token tables they
-        read only for such steps."""
-        # Not for sliding-window layers: the one-call kernel reads one block table and no window.
-        sliding = self.config.num_sliding_attention_layers > 0
-        fused = self._fused_layers_or_none() if self.fused_decode_rows and not sliding else None
+        read (each KV cache group's) only for such steps."""
+        fused = self._fused_layers_or_none() if self.fused_decode_rows else None
         if fused is None:
             return 0
         bf16 = fused[1][0].fmt == cpu_kernels.BF16_PACKED

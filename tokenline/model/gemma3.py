@@ -5,6 +5,7 @@ sixth to all of them (RoPE base 1M, stretched linearly in the larger checkpoints
 its own cos/sin per step. Beyond Llama: zero-centred ``(1 + w)`` RMSNorms everywhere (q/k norms
 too), four per layer (before and after attention and the MLP), GeGLU with tanh GELU, embeddings
 scaled by sqrt(hidden) in the model dtype, and scores scaled by ``query_pre_attn_scalar``.
+Small steps run each layer as one C call (DecoderLM._fused_decode), these parts as the kernel's options.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tokenline.model.attention import AttentionMetadata
 from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import DecoderLM
 from tokenline.model.interface import Cache
+from tokenline.model.cpu_kernels import DecodeLayerWeights
 from tokenline.model.layers import Attention, GatedMLP, RotaryEmbedding, RotaryRows, ZeroCenteredRMSNorm
+from tokenline.model.llama import decode_layer_weights
 
 SLIDING = "sliding_attention"
 
@@ -49,6 +52,12 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def decode_weights(self) -> DecodeLayerWeights | None:
+        """This layer for the one-call decode kernel (cpu_kernels.decode_layer_): its four norms
+        folded to float32 ``1 + w``, q/k norms, GELU and score scale as the kernel's options."""
+        return decode_layer_weights(self.self_attn, self.mlp, self.input_layernorm, self.pre_feedforward_layernorm,
+                                    self.post_attention_layernorm, self.post_feedforward_layernorm)
 
 
 def rope_per_layer_type(config: ModelConfig) -> dict[str, tuple[float, dict[str, Any] | None]]:
@@ -97,24 +106,22 @@ class Gemma3ForCausalLM(DecoderLM):
     def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
         return Gemma3DecoderLayer(config, index)
 
+    def layer_rotary(self, index: int) -> RotaryEmbedding:
+        return self.rotaries[SLIDING if self.layers[index].sliding else "full_attention"]
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Cache], meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        fused = self._fused_decode(x, positions, caches, meta)
+        if fused is not None:
+            return self.norm(fused)
         cos_sin = {kind: rotary.lookup(positions, x.dtype) for kind, rotary in self.rotaries.items()}
         for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             kind = SLIDING if layer.sliding else "full_attention"
             x = layer(x, positions, cos_sin[kind], cache, self.layer_meta(index, meta))
         return self.norm(x)
-
-    def fused_step_tokens(self) -> int:
-        """Gemma 3's layers are not the one-call Llama layer: every step runs per operator. For
-        tl_decode_layer_* to take them it would need QK-norm on q and k before RoPE, the post-attention
-        and post-feedforward norms before each residual add, tanh-GELU for SiLU in the gated MLP, the
-        layer's RoPE table (two bases) and its group's per-token tables with the window (which
-        tl_decode_attention already takes); the (1 + w) norm weights fold in at load time."""
-        return 0
 
     def make_caches(
         self, num_blocks: int, block_size: int, num_state_slots: int, dtype: torch.dtype, device: torch.device,

@@ -16,7 +16,7 @@ from tokenline.model.cpu_kernels import BF16_PACKED, DecodeLayerWeights
 from tokenline.model.config import ModelConfig
 from tokenline.model.decoder import DecoderLM
 from tokenline.model.interface import Cache
-from tokenline.model.layers import Attention, GatedMLP, RMSNorm, RotaryRows
+from tokenline.model.layers import Attention, GatedMLP, RMSNorm, RotaryRows, ZeroCenteredRMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -40,48 +40,74 @@ class LlamaDecoderLayer(nn.Module):
 
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for the one-call decode kernel (cpu_kernels.decode_layer_), or None
-        where it is not the plain Llama layer (a q/k norm, an output gate, biases) or its weights are
-        none of: float32 CPU tensors, quantized blocks of one format (in a float32 or bfloat16 model),
-        or bfloat16 weights every one of which sits in oneDNN's packed layout we read."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if attn.q_norm is not None or attn.output_gate or any(lin.bias is not None for lin in linears):
+        where it cannot run there (see :func:`decode_layer_weights`)."""
+        return decode_layer_weights(self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
+
+
+def decode_layer_weights(
+    attn: Attention, mlp: GatedMLP, input_norm: RMSNorm, mlp_norm: RMSNorm,
+    post_attn_norm: RMSNorm | None = None, post_ff_norm: RMSNorm | None = None,
+) -> DecodeLayerWeights | None:
+    """A decoder layer's weights for the one-call decode kernel (cpu_kernels.decode_layer_): the Llama
+    layer (``input_norm`` before attention, ``mlp_norm`` before the MLP) or Gemma 3's, with norms after
+    attention and the MLP, zero-centred norms (folded to float32 ``1 + w`` here, once), q/k norms,
+    GELU and its score scale. None where the layer has what the kernel lacks (plain q/k norms, an
+    output gate, biases) or its weights are none of: float32 CPU tensors, quantized blocks of one
+    format (in a float32 or bfloat16 model), or bfloat16 weights every one of which sits in oneDNN's
+    packed layout we read."""
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    all_norms = [n for n in (input_norm, mlp_norm, post_attn_norm, post_ff_norm, attn.q_norm, attn.k_norm) if n is not None]
+    zero_centred = isinstance(input_norm, ZeroCenteredRMSNorm)
+    if (attn.output_gate or any(lin.bias is not None for lin in linears)
+            or len({type(n) for n in all_norms}) != 1 or (attn.q_norm is not None and not zero_centred)
+            or any(n.eps != input_norm.eps for n in all_norms)):
+        return None
+
+    def weight(norm: RMSNorm | None) -> torch.Tensor | None:  # as the kernel scales by it
+        if norm is None:
             return None
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        quantized = [lin._quantized for lin in linears]
-        if any(t.device.type != "cpu" for t in norms):
+        return (1.0 + norm.weight.float()).detach().contiguous() if zero_centred else norm.weight.detach()
+
+    raw = (input_norm.weight, mlp_norm.weight)
+    norms = (weight(input_norm), weight(mlp_norm))
+    quantized = [lin._quantized for lin in linears]
+    if any(n.weight.device.type != "cpu" for n in all_norms):
+        return None
+    blocking, bf16_rows, packed = None, False, False
+    if all(t.dtype == torch.bfloat16 for t in raw) and all(q is None for q in quantized):
+        # A bfloat16 model: the packed tiles our small-batch kernel reads, each with its layout.
+        packed = [lin._packed for lin in linears]
+        if any(p is None or p.layout is None or lin.weight is not None for p, lin in zip(packed, linears)):
             return None
-        blocking, bf16_rows, packed = None, False, False
-        if all(t.dtype == torch.bfloat16 for t in norms) and all(q is None for q in quantized):
-            # A bfloat16 model: the packed tiles our small-batch kernel reads, each with its layout.
-            packed = [lin._packed for lin in linears]
-            if any(p is None or p.layout is None or lin.weight is not None for p, lin in zip(packed, linears)):
-                return None
-            matrices, fmt = [p.tiles for p in packed], BF16_PACKED  # type: ignore[union-attr]
-            blocking = torch.tensor([v for p in packed for v in (p.layout.block_n, p.layout.pairs)],  # type: ignore[union-attr]
-                                    dtype=torch.int64)
-        elif any(t.dtype != torch.float32 for t in norms):
-            # A bfloat16 model with quantized projections runs in float32 here (the norms widened, exactly).
-            if any(q is None for q in quantized) or len({(q.fmt, q.packed) for q in quantized}) != 1:  # type: ignore[union-attr]
-                return None
-            norms = tuple(t.float() for t in norms)
-            matrices, fmt = [q.blocks for q in quantized], quantized[0].code  # type: ignore[union-attr]
-            bf16_rows = True
-            packed = quantized[0].packed  # type: ignore[union-attr]
-        elif all(q is None for q in quantized):
-            panels = [lin.float32_panels() for lin in linears]
-            if any(t is None for t in panels):
-                return None
-            matrices, fmt = panels, 0
-        elif len({(q.fmt, q.packed) if q else None for q in quantized}) == 1:  # one format and layout, every projection
-            matrices, fmt = [q.blocks for q in quantized if q is not None], quantized[0].code  # type: ignore[union-attr]
-            packed = quantized[0].packed  # type: ignore[union-attr]
-        else:
+        matrices, fmt = [p.tiles for p in packed], BF16_PACKED  # type: ignore[union-attr]
+        blocking = torch.tensor([v for p in packed for v in (p.layout.block_n, p.layout.pairs)],  # type: ignore[union-attr]
+                                dtype=torch.int64)
+    elif any(t.dtype != torch.float32 for t in raw):
+        # A bfloat16 model with quantized projections runs in float32 here (the norms widened, exactly).
+        if any(q is None for q in quantized) or len({(q.fmt, q.packed) for q in quantized}) != 1:  # type: ignore[union-attr]
             return None
-        ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))
-        return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, self.input_layernorm.eps, attn.num_heads,
-                                  attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt, blocking,
-                                  bf16_rows, packed)
+        norms = tuple(t.float() for t in norms)  # type: ignore[union-attr]
+        matrices, fmt = [q.blocks for q in quantized], quantized[0].code  # type: ignore[union-attr]
+        bf16_rows = True
+        packed = quantized[0].packed  # type: ignore[union-attr]
+    elif all(q is None for q in quantized):
+        panels = [lin.float32_panels() for lin in linears]
+        if any(t is None for t in panels):
+            return None
+        matrices, fmt = panels, 0
+    elif len({(q.fmt, q.packed) if q else None for q in quantized}) == 1:  # one format and layout, every projection
+        matrices, fmt = [q.blocks for q in quantized if q is not None], quantized[0].code  # type: ignore[union-attr]
+        packed = quantized[0].packed  # type: ignore[union-attr]
+    else:
+        return None
+    ln1, ln2, qkv, o, gate_up, down = (t.detach().contiguous() for t in (*norms, *matrices))  # type: ignore[union-attr]
+    extras = [weight(n) for n in (attn.q_norm, attn.k_norm, post_attn_norm, post_ff_norm)]
+    if zero_centred or fmt != BF16_PACKED:  # float32 norms beside float32 rows, or a zero-centred layer's
+        extras = [None if t is None else t.float().contiguous() for t in extras]
+    return DecodeLayerWeights(ln1, qkv, o, ln2, gate_up, down, input_norm.eps, attn.num_heads,
+                              attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, fmt, blocking,
+                              bf16_rows, packed, *extras, gelu=mlp.activation != "silu", scale=attn.scale,
+                              f32_norms=zero_centred and fmt == BF16_PACKED)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -212,16 +212,9 @@ class ModelRunner:
             if len(seqs[0].group_block_tables) != len(self.kv_group_windows):
                 raise RuntimeError("this model's sliding-window layers need a table per KV cache group: build its "
                                    "KVCacheManager with group_windows=runner.kv_group_windows")
-            meta.groups = [self._group_meta(seqs, g, window) for g, window in enumerate(self.kv_group_windows)]
-        if per_token and not prefills:
-            meta.token_block_tables, meta.token_context_lens = meta.decode_block_tables, meta.decode_context_lens
-            meta.max_token_context_len = meta.max_decode_context_len
-        elif per_token:
-            # Decode rows come first in the flat batch, then each span's tokens in order.
-            lens = decode_lens + token_lens
-            meta.token_block_tables = _padded_tables(decode_tables + token_tables, device)
-            meta.token_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
-            meta.max_token_context_len = max(lens)
+            meta.groups = [self._group_meta(seqs, g, window, per_token) for g, window in enumerate(self.kv_group_windows)]
+        if per_token:
+            _set_token_tables(meta, decode_tables, decode_lens, token_tables, token_lens, device)
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(pos_list, dtype=torch.long, device=device),
@@ -230,13 +223,16 @@ class ModelRunner:
             sampling_seqs,
         )
 
-    def _group_meta(self, seqs: list[ScheduledSeq], group: int, window: int | None) -> AttentionMetadata:
+    def _group_meta(self, seqs: list[ScheduledSeq], group: int, window: int | None, per_token: bool) -> AttentionMetadata:
         """One KV cache group's attention metadata: its tables (a freed sliding block, -1, reads as
-        block 0, which the window's mask hides), its slots and its window."""
+        block 0, which the window's mask hides), its slots and its window; with ``per_token``, every
+        token's table too (the one-call decode layers')."""
         bs, device = self.block_size, self.device
         slots: list[int] = []
         tables: list[list[int]] = []
         lens: list[int] = []
+        token_tables: list[list[int]] = []
+        token_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         start = 0
         for seq in seqs:
@@ -250,6 +246,9 @@ class ModelRunner:
             else:
                 block_table = torch.tensor(table, dtype=torch.long, device=device)
                 prefills.append(PrefillSpan(start, n, context_len, block_table))
+                if per_token:
+                    token_tables.extend([table] * n)
+                    token_lens.extend(range(seq.start_pos + 1, context_len + 1))
             start += n
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), len(tables), prefills=prefills,
                                  window=window)
@@ -263,6 +262,8 @@ class ModelRunner:
             meta.decode_mask = visible[:, None, None, :]
             meta.decode_context_lens = context
             meta.max_decode_context_len = max(lens)
+        if per_token:
+            _set_token_tables(meta, tables, lens, token_tables, token_lens, device)
         return meta
 
     def _copy_states(self, pairs: list[tuple[int | None, int | None]]) -> None:
@@ -310,6 +311,21 @@ class ModelRunner:
             out[seq.request_id] = SampledToken(token_ids[row], token_logprobs, token_ids[row + 1 : end])
             row = end
         return out
+
+
+def _set_token_tables(meta: AttentionMetadata, decode_tables: list[list[int]], decode_lens: list[int],
+                      token_tables: list[list[int]], token_lens: list[int], device: torch.device) -> None:
+    """Every token of the step as a decode query in ``meta`` (AttentionMetadata.token_block_tables):
+    the decode rows first, as in the flat batch, then each span's tokens in order. A pure decode step
+    shares the decode_* tensors."""
+    if not token_tables:
+        meta.token_block_tables, meta.token_context_lens = meta.decode_block_tables, meta.decode_context_lens
+        meta.max_token_context_len = meta.max_decode_context_len
+        return
+    lens = decode_lens + token_lens
+    meta.token_block_tables = _padded_tables(decode_tables + token_tables, device)
+    meta.token_context_lens = torch.tensor(lens, dtype=torch.long, device=device)
+    meta.max_token_context_len = max(lens)
 
 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -19,7 +19,8 @@
  *   each panel of 16 weight rows expanded once to bfloat16 codes for every row (AVX-512 BF16);
  *   tl_linear_qp: the blocks repacked at load into 16-row panels, times rows rounded to int8 (VNNI).
  * - tl_decode_layer_f32: a whole Llama decoder layer for a few float32 decode rows in one call,
- *   its weights float32 or quantized.
+ *   its weights float32 or quantized; tl_decode_layer_bf16 the same on packed bfloat16 tiles. Both
+ *   take Gemma 3's layer through an options struct (tl_layer_opts): q/k norms, post norms, GELU, a window.
  */
 #include <math.h>
 #include <omp.h>
@@ -2405,11 +2406,64 @@ static void rms_norm_f32(const float *x, const float *weight, float *out, int64_
     }
 }
 
+/* Optional parts of a decode layer beyond Llama's (Gemma 3), all off when the pointer is NULL or a field
+ * 0: per-head RMSNorms of q and k before RoPE, RMSNorms of o_proj's and down_proj's outputs before each
+ * residual add, tanh-GELU in place of SiLU, a sliding window, and (bfloat16 layer) norm weights held in
+ * float32 that scale before the rounding, as a zero-centred (1 + w) norm does (w + 1 folded at load). */
+typedef struct {
+    const void *q_norm, *k_norm;               /* [Dh], the layer's norm dtype (float32 under f32_norms) */
+    const void *post_attn_norm, *post_ff_norm; /* [H] */
+    int64_t gelu;                              /* 1: gelu_tanh(gate) * up */
+    int64_t window;                            /* > 0: each row sees its last `window` positions */
+    int64_t f32_norms;                         /* tl_decode_layer_bf16: every norm weight is float32 */
+} tl_layer_opts;
+
+static const tl_layer_opts TL_LLAMA_LAYER = {0};
+
+static inline float gelu_tanh(float g) { /* torch's gelu(approximate="tanh") */
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+/* gelu_tanh(gate) * up for M rows of [gate | up], packed to [M, I] at the front (as silu_mul_f32):
+ * tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|), eight at a time (the vector exp takes x <= 0). */
+static void gelu_mul_f32(float *gate_up, int64_t M, int64_t I) {
+    const int64_t I8 = I & ~(int64_t)7;
+#pragma omp parallel for schedule(static) if (M * I >= 16384)
+    for (int64_t m = 0; m < M; m++) {
+        float *g = gate_up + m * 2 * I;
+        const float *up = g + I;
+        for (int64_t i = 0; i < I8; i += 8) {
+            const tl_v8 gv = *(const tl_v8u *)(g + i);
+            const tl_v8 u = 0.7978845608028654f * (gv + 0.044715f * gv * gv * gv);
+            const tl_v8 abs_u = v8_select(u > 0.0f, u, (tl_v8){0} - u);
+            const tl_v8 e = exp8((tl_v8){0} - 2.0f * abs_u);
+            const tl_v8 t = (1.0f - e) / (1.0f + e);
+            *(tl_v8u *)(g + i) = 0.5f * gv * (1.0f + v8_select(u > 0.0f, t, (tl_v8){0} - t)) * *(const tl_v8u *)(up + i);
+        }
+        for (int64_t i = I8; i < I; i++) g[i] = gelu_tanh(g[i]) * up[i];
+    }
+    for (int64_t m = 1; m < M; m++) memmove(gate_up + m * I, gate_up + m * 2 * I, (size_t)I * sizeof(float));
+}
+
+/* x += in @ w^T, or with a post norm x += norm(in @ w^T) (the projection first into proj, [M, H]). */
+static void layer_out_f32(int wfmt, const float *in, const void *w, float *x, float *proj, const float *post_norm,
+                          int64_t M, int64_t H, int64_t K, float eps, float *xs, uint16_t *xb) {
+    if (!post_norm) {
+        layer_linear(wfmt, in, w, x, M, H, K, 1, xs, xb);
+        return;
+    }
+    layer_linear(wfmt, in, w, proj, M, H, K, 0, xs, xb);
+    rms_norm_f32(proj, post_norm, proj, M, H, eps);
+    for (int64_t i = 0; i < M * H; i++) x[i] += proj[i];
+}
+
 void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H, float eps, const float *ln1, const void *w_qkv,
                          const void *w_o, const float *ln2, const void *w_gate_up, const void *w_down,
                          int64_t I, int64_t heads, int64_t kv_heads, int64_t Dh, const float *cos, const float *sin,
                          void *k_cache, void *v_cache, const int64_t *slots, const int64_t *tables, int64_t width,
-                         const int64_t *lens, int64_t block_size, int64_t max_len, float scale, float *scratch) {
+                         const int64_t *lens, int64_t block_size, int64_t max_len, float scale, float *scratch,
+                         const tl_layer_opts *opts) {
+    const tl_layer_opts *o = opts ? opts : &TL_LLAMA_LAYER;
     const int64_t q_width = heads * Dh, kv_width = kv_heads * Dh, qkv_width = q_width + 2 * kv_width;
     float *h = scratch;                  /* [M, H] normed rows */
     float *qkv = h + M * H;              /* [M, qkv_width] */
@@ -2423,6 +2477,9 @@ void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H,
     layer_linear(wfmt, h, w_qkv, qkv, M, qkv_width, H, 0, xs, xb);
     const int64_t half = Dh / 2;
     for (int64_t m = 0; m < M; m++) {
+        float *row = qkv + m * qkv_width;
+        if (o->q_norm) rms_norm_f32(row, (const float *)o->q_norm, row, heads, Dh, eps); /* in place, head by head */
+        if (o->k_norm) rms_norm_f32(row + q_width, (const float *)o->k_norm, row + q_width, kv_heads, Dh, eps);
         const float *c = cos + m * Dh, *s = sin + m * Dh;
         for (int64_t head = 0; head < heads + kv_heads; head++) { /* q heads, then k heads */
             float *v = qkv + m * qkv_width + head * Dh;
@@ -2445,18 +2502,55 @@ void tl_decode_layer_f32(int wfmt, int kv_dtype, float *x, int64_t M, int64_t H,
         }
     }
     tl_decode_attention(TL_FLOAT32, kv_dtype, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads, kv_heads,
-                        Dh, block_size, max_len, scale, 0);
-    layer_linear(wfmt, attn, w_o, x, M, H, q_width, 1, xs, xb);
+                        Dh, block_size, max_len, scale, o->window);
+    layer_out_f32(wfmt, attn, w_o, x, h, (const float *)o->post_attn_norm, M, H, q_width, eps, xs, xb);
 
     rms_norm_f32(x, ln2, h, M, H, eps);
     layer_linear(wfmt, h, w_gate_up, gate_up, M, 2 * I, H, 0, xs, xb);
-    silu_mul_f32(gate_up, M, I);
-    layer_linear(wfmt, gate_up, w_down, x, M, H, I, 1, xs, xb);
+    if (o->gelu)
+        gelu_mul_f32(gate_up, M, I);
+    else
+        silu_mul_f32(gate_up, M, I);
+    layer_out_f32(wfmt, gate_up, w_down, x, h, (const float *)o->post_ff_norm, M, H, I, eps, xs, xb);
 }
 
 /* x = bf16(x + y) for n values: a residual add as torch adds two bfloat16 tensors. */
 static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+}
+
+/* RMSNorm of bfloat16 rows: Llama's (tl_rms_norm_bf16, a bfloat16 weight) or, with f32 (a zero-centred
+ * norm's float32 1 + w), bf16(x / rms(x) * w) with one rounding at the end, as ZeroCenteredRMSNorm. */
+static void norm_bf16(int f32, const uint16_t *x, const void *weight, uint16_t *out, int64_t T, int64_t H, float eps) {
+    if (!f32) {
+        tl_rms_norm_bf16(x, (const uint16_t *)weight, out, T, H, eps);
+        return;
+    }
+    const float *w = (const float *)weight;
+#pragma omp parallel for schedule(static) if (T > 8)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *row = x + t * H;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < H; i++) {
+            const float v = bf16_to_f32(row[i]);
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+        uint16_t *dst = out + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) dst[i] = f32_to_bf16(bf16_to_f32(row[i]) * scale * w[i]);
+    }
+}
+
+/* gelu_tanh(gate) * up of bfloat16 rows [T, 2I] into out [T, I], rounded where torch's two ops round. */
+static void gelu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I >= 16384)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i++)
+            out[t * I + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gelu_tanh(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
+    }
 }
 
 /* One Llama decoder layer for a few bfloat16 decode rows in one call: the same kernels, in the same
@@ -2469,12 +2563,14 @@ static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
  * blocking[0..8) in that order; norms [H] bfloat16; cos/sin [M, Dh] bfloat16; the rest as
  * tl_decode_layer_f32 takes it. scratch holds M * (2 H + (heads + 2 KVH) Dh + heads Dh + 3 I)
  * bfloat16 values. */
-void tl_decode_layer_bf16(uint16_t *x, int64_t M, int64_t H, float eps, const uint16_t *ln1, const uint16_t *w_qkv,
-                          const uint16_t *w_o, const uint16_t *ln2, const uint16_t *w_gate_up, const uint16_t *w_down,
+void tl_decode_layer_bf16(uint16_t *x, int64_t M, int64_t H, float eps, const void *ln1, const uint16_t *w_qkv,
+                          const uint16_t *w_o, const void *ln2, const uint16_t *w_gate_up, const uint16_t *w_down,
                           const int64_t *blocking, int64_t I, int64_t heads, int64_t kv_heads, int64_t Dh,
                           const uint16_t *cos, const uint16_t *sin, uint16_t *k_cache, uint16_t *v_cache,
                           const int64_t *slots, const int64_t *tables, int64_t width, const int64_t *lens,
-                          int64_t block_size, int64_t max_len, float scale, uint16_t *scratch) {
+                          int64_t block_size, int64_t max_len, float scale, uint16_t *scratch,
+                          const tl_layer_opts *opts) {
+    const tl_layer_opts *o = opts ? opts : &TL_LLAMA_LAYER;
     const int64_t q_width = heads * Dh, kv_width = kv_heads * Dh, qkv_width = q_width + 2 * kv_width;
     uint16_t *h = scratch;                  /* [M, H] normed rows */
     uint16_t *qkv = h + M * H;              /* [M, qkv_width] */
@@ -2483,8 +2579,14 @@ void tl_decode_layer_bf16(uint16_t *x, int64_t M, int64_t H, float eps, const ui
     uint16_t *act = gate_up + M * 2 * I;    /* [M, I]: silu(gate) * up */
     uint16_t *proj = act + M * I;           /* [M, H]: o_proj's or down_proj's output, before the residual */
 
-    tl_rms_norm_bf16(x, ln1, h, M, H, eps);
+    const int f32 = (int)o->f32_norms;
+    norm_bf16(f32, x, ln1, h, M, H, eps);
     tl_linear_bf16_blocked(h, w_qkv, qkv, M, qkv_width, H, blocking[0], blocking[1]);
+    for (int64_t m = 0; m < M && (o->q_norm || o->k_norm); m++) {
+        uint16_t *row = qkv + m * qkv_width;
+        if (o->q_norm) norm_bf16(f32, row, o->q_norm, row, heads, Dh, eps); /* in place, head by head */
+        if (o->k_norm) norm_bf16(f32, row + q_width, o->k_norm, row + q_width, kv_heads, Dh, eps);
+    }
     tl_rotary_bf16(qkv, qkv_width, cos, sin, M, heads + kv_heads, Dh);
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *k = qkv + m * qkv_width + q_width;
@@ -2492,13 +2594,18 @@ void tl_decode_layer_bf16(uint16_t *x, int64_t M, int64_t H, float eps, const ui
         memcpy(v_cache + slots[m] * kv_width, k + kv_width, (size_t)kv_width * sizeof(uint16_t));
     }
     tl_decode_attention(TL_BFLOAT16, TL_BFLOAT16, qkv, qkv_width, k_cache, v_cache, tables, width, lens, attn, M, heads,
-                        kv_heads, Dh, block_size, max_len, scale, 0);
+                        kv_heads, Dh, block_size, max_len, scale, o->window);
     tl_linear_bf16_blocked(attn, w_o, proj, M, H, q_width, blocking[2], blocking[3]);
+    if (o->post_attn_norm) norm_bf16(f32, proj, o->post_attn_norm, proj, M, H, eps);
     add_bf16(x, proj, M * H);
 
-    tl_rms_norm_bf16(x, ln2, h, M, H, eps);
+    norm_bf16(f32, x, ln2, h, M, H, eps);
     tl_linear_bf16_blocked(h, w_gate_up, gate_up, M, 2 * I, H, blocking[4], blocking[5]);
-    tl_silu_mul_bf16(gate_up, act, M, I);
+    if (o->gelu)
+        gelu_mul_bf16(gate_up, act, M, I);
+    else
+        tl_silu_mul_bf16(gate_up, act, M, I);
     tl_linear_bf16_blocked(act, w_down, proj, M, H, I, blocking[6], blocking[7]);
+    if (o->post_ff_norm) norm_bf16(f32, proj, o->post_ff_norm, proj, M, H, eps);
     add_bf16(x, proj, M * H);
 }
