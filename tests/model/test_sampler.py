@@ -64,6 +64,14 @@ def test_greedy_bf16_logits_and_input_not_modified() -> None:
     bf16 = logits.to(torch.bfloat16)
     out = sample(bf16, [make_row(temperature=0.0) for _ in range(6)])
     assert torch.equal(out.token_ids, bf16.float()[:, :VOCAB].argmax(-1))
+    # random rows without processors sample the runner's logits in place of a copy: read, never written
+    rows = [make_row(temperature=0.5, top_k=3), make_row(temperature=2.0, top_p=0.5),
+            make_row(temperature=0.7, min_p=0.2), make_row(temperature=1.5), make_row(temperature=0.0),
+            make_row(temperature=1.2, top_p=0.9, seed=1)]
+    for tensor in (logits, bf16):
+        kept = tensor.clone()
+        sample(tensor, rows)
+        assert torch.equal(tensor, kept)
 
 
 def test_padding_ids_never_sampled_nor_in_top_logprobs() -> None:
