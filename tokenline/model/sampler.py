@@ -16,8 +16,8 @@ and calls :class:`Sampler`. Stage order, as vLLM/OpenAI users expect:
 At a 262,144-entry vocabulary (Gemma 3) a pass over the whole row is the cost, so nothing sorts or
 softmaxes it where a partial pass suffices: a random row with top-k samples among its k largest
 logits (torch.topk); one with top-p or min-p but no top-k among its CANDIDATES largest when they
-hold everything its filters keep (most rows of a real model), else over the full row; logprobs
-take a logsumexp and a topk, not a log_softmax of the row.
+hold everything its filters keep (most rows of a real model), else over the full row. (Logprobs
+need the whole row's normaliser: one fused log_softmax, then a topk.)
 """
 
 from __future__ import annotations
@@ -218,12 +218,7 @@ class Sampler:
             x = logits
         if metadata.grammar_bitmask is not None:
             apply_grammar_bitmask(x, metadata.grammar_rows, metadata.grammar_bitmask)
-        # Raw logprobs are logit - logsumexp: the row's normaliser and its top values, taken before the
-        # stages below change x; the sampled token's logit is read back from the runner's logits.
-        if metadata.max_num_logprobs is not None:
-            normaliser = _logsumexp(x)
-            top_values, top_ids = x.topk(metadata.max_num_logprobs, dim=-1)  # sorted desc
-            top_values -= normaliser
+        raw_logprobs = x.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
 
         apply_logits_processors(x, metadata)
 
@@ -235,11 +230,11 @@ class Sampler:
             if greedy_ids is not None:
                 token_ids = torch.where(metadata.greedy_mask, greedy_ids, token_ids)
 
-        if metadata.max_num_logprobs is None:
+        if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
-        # The grammar forbids no sampled token, so its logit is the same in the masked row.
-        sampled = logits.gather(1, token_ids.unsqueeze(1)).to(torch.float32) - normaliser
-        return SamplerOutput(token_ids, sampled.squeeze(1), top_ids, top_values)
+        sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)  # sorted desc
+        return SamplerOutput(token_ids, sampled, top_ids, top_values)
 
     def _sample_random(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and the exponential race, reading ``x`` (never written).
@@ -256,7 +251,9 @@ class Sampler:
         if metadata.greedy_mask is not None:  # greedy rows' samples are replaced by their argmax anyway
             rest = rest[~metadata.greedy_mask[rest]]
         if rest.numel():
-            rows = x[rest].to(torch.float32)  # a copy (indexing with a tensor), written below
+            # A float32 copy, written below.
+            rows = (x.to(torch.float32, copy=True) if rest.numel() == x.shape[0]
+                    else x[rest].to(torch.float32))
             if metadata.temperature is not None:
                 rows.div_(metadata.temperature[rest].unsqueeze(1))
             generators = {i: metadata.generators[row] for i, row in enumerate(rest.tolist())
