@@ -179,6 +179,14 @@ def test_a_hugging_face_repo_id_gets_one_line_and_exit_2() -> None:
         assert "tokenline import" in lines[0]
 
 
+def test_a_packaged_models_name_is_a_model_argument() -> None:
+    """`serve --model gemma3-270m` names the package's model, as `tokenline import gemma3-270m` does: past
+    the model check, the next refusal is the flag's (nothing is loaded)."""
+    done = run_serve("--model", "gemma3-270m", "--tensor-parallel-size", "2")
+    assert done.returncode == 2
+    assert "downloads nothing" not in done.stderr and "--tensor-parallel-size" in done.stderr
+
+
 def test_an_unsupported_value_exits_2_with_one_line(default_model_dir: Path) -> None:
     done = run_serve("--model", str(default_model_dir), "--tensor-parallel-size", "2")
     assert done.returncode == 2

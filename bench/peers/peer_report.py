@@ -159,7 +159,7 @@ def _prefill_note(meta: dict[str, Any]) -> list[str]:
 def render_report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     clients = meta.get("clients") or list(CLIENT_TITLES)
     lines = [
-        "# tokenline vs peers",
+        "# tokenline vs peers" + (f": {meta['model']}" if meta.get("model") else ""),
         "",
         f"{meta['when']} on {meta['host']} ({meta['cpus']} CPUs; load average before: {meta.get('loadavg', '?')}). "
         "One server at a time, each driven by every client in turn; random prompts with a fresh seed per "

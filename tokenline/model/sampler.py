@@ -12,6 +12,12 @@ and calls :class:`Sampler`. Stage order, as vLLM/OpenAI users expect:
 4. greedy rows: argmax;
 5. random rows: temperature, top-k, top-p, min-p, then the exponential race
    ``argmax(probs / Exp(1))``, whose noise comes from the row's own generator when it is seeded.
+
+At a 262,144-entry vocabulary (Gemma 3) a pass over the whole row is the cost, so nothing sorts or
+softmaxes it where a partial pass suffices: a random row with top-k samples among its k largest
+logits (torch.topk); one with top-p or min-p but no top-k among its CANDIDATES largest when they
+hold everything its filters keep (most rows of a real model), else over the full row. (Logprobs
+need the whole row's normaliser: one fused log_softmax, then a topk.)
 """
 
 from __future__ import annotations
@@ -49,10 +55,7 @@ class SamplingMetadata:
     greedy_mask: torch.Tensor | None  # [B] bool, only for mixed batches
     temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when no random row scales
     top_k: torch.Tensor | None  # [B] int64 in [1, vocab_size]; vocab_size means off
-    max_top_k: int  # largest top_k among rows that use it (host int: torch.topk needs it without a sync)
     top_p: torch.Tensor | None  # [B] float32; 1.0 means off
-    # Every top-p row also has top-k on, so top-p can work on the top max_top_k values, not a full sort.
-    top_p_within_top_k: bool
     min_p: torch.Tensor | None  # [B] float32; 0.0 means off
     logit_bias_index: torch.Tensor | None  # [2, N] int64: (row, token id)
     logit_bias_values: torch.Tensor | None  # [N] float32
@@ -106,7 +109,6 @@ class SamplingMetadata:
         top_ps = [1.0 if g else float(row.params.top_p) for row, g in zip(rows, greedy)]
         min_ps = [0.0 if g else float(row.params.min_p) for row, g in zip(rows, greedy)]
         used_top_ks = [k for k in top_ks if k < vocab_size]
-        top_p_within_top_k = all(k < vocab_size for k, p in zip(top_ks, top_ps) if p < 1.0)
 
         rep = [float(row.params.repetition_penalty) for row in rows]
         freq = [float(row.params.frequency_penalty) for row in rows]
@@ -161,9 +163,7 @@ class SamplingMetadata:
             greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, dtype=torch.bool, device=device),
             temperature=floats(temperatures) if any(t != 1.0 for t in temperatures) else None,
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=device) if used_top_ks else None,
-            max_top_k=max(used_top_ks, default=0),
             top_p=floats(top_ps) if any(p < 1.0 for p in top_ps) else None,
-            top_p_within_top_k=top_p_within_top_k,
             min_p=floats(min_ps) if any(p > 0.0 for p in min_ps) else None,
             logit_bias_index=(
                 torch.tensor([bias_rows, bias_ids], dtype=torch.int64, device=device) if bias_rows else None
@@ -210,8 +210,12 @@ class Sampler:
         if metadata.all_greedy and not metadata.needs_logits_processing and metadata.max_num_logprobs is None:
             return SamplerOutput(_argmax(logits), None, None, None)
 
-        # A private float32 copy: every stage below works in place and must not touch the runner's logits.
-        x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        # A private float32 copy where a stage below writes (masks, processors) or sums (logprobs);
+        # sampling itself only reads the logits, so a plain step samples the runner's as they are.
+        if metadata.needs_logits_processing or metadata.max_num_logprobs is not None:
+            x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        else:
+            x = logits
         if metadata.grammar_bitmask is not None:
             apply_grammar_bitmask(x, metadata.grammar_rows, metadata.grammar_bitmask)
         raw_logprobs = x.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
@@ -233,21 +237,136 @@ class Sampler:
         return SamplerOutput(token_ids, sampled, top_ids, top_values)
 
     def _sample_random(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p and the exponential race; modifies ``x`` in place."""
-        if metadata.temperature is not None:
-            x.div_(metadata.temperature.unsqueeze(1))
-        if metadata.top_p is not None and metadata.top_p_within_top_k:
-            _apply_top_k_top_p_truncated(x, metadata.top_k, metadata.max_top_k, metadata.top_p)
-        elif metadata.top_p is not None:
-            if metadata.top_k is not None or not _apply_top_p_among_candidates(x, metadata.top_p):
-                _apply_top_k_top_p_sorted(x, metadata.top_k, metadata.top_p)
-        elif metadata.top_k is not None:
-            _apply_top_k(x, metadata.top_k, metadata.max_top_k)
-        probs = x.softmax(dim=-1)
-        if metadata.min_p is not None:
-            max_probs = probs.amax(dim=-1, keepdim=True)
-            probs.masked_fill_(probs < metadata.min_p.unsqueeze(1) * max_probs, 0.0)
-        return _exponential_race(probs, metadata)
+        """Temperature, top-k, top-p, min-p and the exponential race, reading ``x`` (never written).
+        Each row samples among its candidates (filter_candidates) where they hold all its filters keep,
+        the others over a float32 copy of their full row (_sample_full_rows)."""
+        filtered = _filtered_rows(metadata, x.device)
+        if filtered is None:  # no filter on any row: every row samples from its whole distribution
+            token_ids = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+            rest = torch.arange(x.shape[0], device=x.device)
+        else:
+            candidates = filter_candidates(x, metadata, filtered)
+            token_ids = _sample_among_candidates(candidates, metadata.generators)
+            rest = (~candidates.fits).nonzero().flatten()
+        if metadata.greedy_mask is not None:  # greedy rows' samples are replaced by their argmax anyway
+            rest = rest[~metadata.greedy_mask[rest]]
+        if rest.numel():
+            # A float32 copy, written below.
+            rows = (x.to(torch.float32, copy=True) if rest.numel() == x.shape[0]
+                    else x[rest].to(torch.float32))
+            if metadata.temperature is not None:
+                rows.div_(metadata.temperature[rest].unsqueeze(1))
+            generators = {i: metadata.generators[row] for i, row in enumerate(rest.tolist())
+                          if row in metadata.generators}
+            top_p = metadata.top_p[rest] if metadata.top_p is not None else None
+            min_p = metadata.min_p[rest] if metadata.min_p is not None else None
+            token_ids[rest] = _sample_full_rows(rows, top_p, min_p, generators, all_random=True)
+        return token_ids
+
+
+def _filtered_rows(metadata: SamplingMetadata, device: torch.device) -> torch.Tensor | None:
+    """[B] bool: the rows with a filter on (top-k, top-p or min-p), which may sample among candidates;
+    None when no row has one (build() leaves a stage None when no row uses it)."""
+    if metadata.top_k is None and metadata.top_p is None and metadata.min_p is None:
+        return None
+    filtered = torch.zeros(metadata.num_rows, dtype=torch.bool, device=device)
+    if metadata.top_k is not None:
+        filtered |= metadata.top_k < metadata.vocab_size
+    if metadata.top_p is not None:
+        filtered |= metadata.top_p < 1.0
+    if metadata.min_p is not None:
+        filtered |= metadata.min_p > 0.0
+    return filtered
+
+
+# A row with top-p or min-p but no top-k first looks among its this many largest logits: where they hold
+# all its filters keep (the nucleus of a real model's row), it samples there, and the full row is never
+# sorted nor softmaxed (262,144 columns, 8 rows: a sort 571 ms, this topk 22; docs/benchmarks/2026-12-07-gemma3.md).
+CANDIDATES = 1024
+
+
+@dataclass
+class Candidates:
+    """Each row's largest logits (temperature applied) and what its filters keep among them."""
+
+    ids: torch.Tensor  # [B, W] int64 token ids, by logit, largest first
+    logits: torch.Tensor  # [B, W] float32; -inf past the row's own candidates
+    keep: torch.Tensor  # [B, W] bool: kept by the row's top-k, top-p and min-p
+    fits: torch.Tensor  # [B] bool: the candidates hold every token the row's filters keep
+    count: torch.Tensor  # [B] int64: the row's own number of candidates (<= W)
+
+
+def filter_candidates(x: torch.Tensor, metadata: SamplingMetadata, filtered: torch.Tensor) -> Candidates:
+    """Temperature, top-k, top-p and min-p of the filtered rows of ``x`` [B, V] (logits, read only) among
+    their largest logits: a row's top k, else its top CANDIDATES (unfiltered and greedy rows get one,
+    and never fit). The temperature scales the candidates only: it does not change their order.
+
+    Top-p over a top-k row's candidates is top-p of the distribution renormalised over its top k, as in
+    the full sort; a row without top-k normalises its candidates by its whole row's logsumexp, so where
+    they hold top_p of the mass they keep exactly what the full sort keeps. min-p compares with the most
+    likely token, a ratio that normalising does not change. A top-k row keeps exactly k candidates: of
+    tokens tied at the k-th logit, topk's order decides."""
+    num_rows, vocab = x.shape
+    has_top_k = (metadata.top_k < vocab) if metadata.top_k is not None else torch.zeros_like(filtered)
+    # Each row's count is its own, whatever the batch: a seeded row draws the same noise in any batch.
+    count = torch.where(filtered, min(CANDIDATES, vocab), 1)
+    if metadata.top_k is not None:
+        count = torch.where(has_top_k, metadata.top_k, count)
+    width = int(count.max())
+    values, ids = x.topk(width, dim=-1)  # [B, W], sorted desc
+    values = values.to(torch.float32)
+    temperature = metadata.temperature.unsqueeze(1) if metadata.temperature is not None else None
+    if temperature is not None:
+        values = values / temperature
+    candidate = torch.arange(width, device=x.device) < count.unsqueeze(1)
+    values.masked_fill_(~candidate, float("-inf"))
+    keep = candidate.clone()
+    fits = has_top_k.clone()
+    if metadata.top_p is not None:
+        on = metadata.top_p < 1.0
+        normaliser = _logsumexp(values)
+        whole = (on & ~has_top_k).nonzero().flatten()
+        if whole.numel():  # only those rows pay for a pass over the whole row
+            rows = x[whole].to(torch.float32)
+            normaliser[whole] = _logsumexp(rows if temperature is None else rows.div_(temperature[whole]))
+        probs = (values - normaliser).exp()
+        above = probs.cumsum(dim=-1) - probs
+        # Keep a token while the mass strictly above it is short of top_p.
+        keep &= (above < metadata.top_p.unsqueeze(1)) | ~on.unsqueeze(1)
+        fits |= on & (probs.sum(dim=-1) >= metadata.top_p)
+    if metadata.min_p is not None:
+        on = metadata.min_p > 0.0
+        # p >= min_p * p_max, i.e. logit >= the top logit + log(min_p).
+        threshold = values[:, :1] + metadata.min_p.clamp(min=1e-30).log().unsqueeze(1)
+        keep &= (values >= threshold) | ~on.unsqueeze(1)
+        # Sorted: every token past the last candidate is below the threshold when that one is.
+        last = values.gather(1, (count - 1).unsqueeze(1))
+        fits |= on & (last < threshold).squeeze(1)
+    keep[:, 0] = True  # the most likely token always survives
+    return Candidates(ids, values, keep, fits & filtered, count)
+
+
+def _sample_among_candidates(candidates: Candidates, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """The exponential race among each row's kept candidates: token ids [B] (meaningless for rows that
+    do not fit, whose generators are not drawn from)."""
+    c = candidates
+    probs = (c.logits - c.logits[:, :1]).exp_().masked_fill_(~c.keep, 0.0)
+    fitting = {row: g for row, g in generators.items() if bool(c.fits[row])}
+    chosen = _exponential_race(probs, fitting, all_random=False, widths=c.count)
+    return c.ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
+def _sample_full_rows(x: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                      generators: dict[int, torch.Generator], all_random: bool) -> torch.Tensor:
+    """Top-p (one sort), min-p and the race over every column of ``x`` [B, V]: rows whose filters keep
+    more than candidates can show, or that have none."""
+    if top_p is not None and bool((top_p < 1.0).any()):
+        _apply_top_k_top_p_sorted(x, None, top_p)
+    probs = x.softmax(dim=-1)
+    if min_p is not None:
+        max_probs = probs.amax(dim=-1, keepdim=True)
+        probs.masked_fill_(probs < min_p.unsqueeze(1) * max_probs, 0.0)
+    return _exponential_race(probs, generators, all_random)
 
 
 def apply_grammar_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -332,15 +451,6 @@ def _token_mask(ids: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
     return mask[:, :vocab]
 
 
-def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
-    """Keep each row's k largest logits. torch.topk on the largest k avoids a full-vocabulary sort."""
-    top_values = x.topk(max_top_k, dim=-1).values  # [B, max_top_k], sorted desc
-    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
-    # Rows with top-k off (k == vocab) keep everything.
-    kth.masked_fill_((top_k >= x.shape[-1]).unsqueeze(1), float("-inf"))
-    x.masked_fill_(x < kth, float("-inf"))
-
-
 def _apply_top_k_top_p_sorted(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> None:
     """Top-k then top-p with one ascending sort (needed anyway for the cumulative probabilities)."""
     sorted_x, order = x.sort(dim=-1, descending=False)
@@ -357,74 +467,38 @@ def _apply_top_k_top_p_sorted(x: torch.Tensor, top_k: torch.Tensor | None, top_p
     x.scatter_(1, order, sorted_x)
 
 
-# Top-p alone first looks among each row's this many most likely tokens: where they hold top_p of the
-# mass (most rows of a real model) the nucleus lies among them, and the full-vocabulary sort is saved
-# (262,144 columns: 570 against 22 ms for 8 rows; docs/benchmarks/2026-12-07-gemma3.md).
-TOP_P_CANDIDATES = 1024
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator], all_random: bool,
+                      widths: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a sample from ``probs`` (any positive scale per row) without a
+    CDF search; the column chosen.
 
-
-def _apply_top_p_among_candidates(x: torch.Tensor, top_p: torch.Tensor) -> bool:
-    """Top-p without top-k, over each row's TOP_P_CANDIDATES largest logits normalised by the whole
-    row's logsumexp; False (``x`` untouched) where some row's candidates hold less than its top_p,
-    and the caller sorts. Keeps what the sorted path keeps: a token stays while the mass strictly
-    above it is short of top_p."""
-    k = min(TOP_P_CANDIDATES, x.shape[-1])
-    values = x.topk(k, dim=-1).values  # [B, k], sorted desc
-    probs = (values - x.logsumexp(dim=-1, keepdim=True)).exp()
-    above = probs.cumsum(dim=-1) - probs
-    off = top_p >= 1.0
-    if not bool(((above[:, -1] + probs[:, -1] >= top_p) | off).all()):
-        return False
-    keep = above < top_p.unsqueeze(1)
-    keep[:, 0] = True  # the most likely token always survives
-    threshold = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
-    threshold.masked_fill_(off.unsqueeze(1), float("-inf"))
-    x.masked_fill_(x < threshold, float("-inf"))
-    return True
-
-
-def _apply_top_k_top_p_truncated(
-    x: torch.Tensor, top_k: torch.Tensor, max_top_k: int, top_p: torch.Tensor
-) -> None:
-    """Top-k then top-p when every top-p row also has top-k: work on torch.topk's values only.
-
-    Same result as the sorted path (top-p over the distribution renormalized on the top k), at the
-    cost of a topk instead of a full-vocabulary sort; generation configs such as Qwen's set both.
-    """
-    values = x.topk(max_top_k, dim=-1).values  # [B, K], sorted desc
-    columns = torch.arange(max_top_k, device=x.device)
-    in_top_k = columns < top_k.unsqueeze(1)
-    values.masked_fill_(~in_top_k, float("-inf"))
-    probs = values.softmax(dim=-1)
-    # Keep a token while the mass strictly above it is still short of top_p; the top one always stays.
-    keep = (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1)
-    keep |= (top_p >= 1.0).unsqueeze(1)
-    keep &= in_top_k
-    num_kept = keep.sum(dim=-1, keepdim=True)
-    threshold = values.gather(1, num_kept - 1)
-    # Rows with top-k off are exactly the rows with top-p off here: they keep everything.
-    threshold.masked_fill_((top_k >= x.shape[-1]).unsqueeze(1), float("-inf"))
-    x.masked_fill_(x < threshold, float("-inf"))
-
-
-def _exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): a sample from ``probs`` without a CDF search.
-
-    Each seeded row draws its own noise from its generator, a full row every step, so its tokens
-    depend on nothing but its own logits and generator: not on the batch or its place in it.
+    Each seeded row draws its own noise from its generator, as many values each step as its row has
+    columns (``widths[row]`` leading ones where given: its candidates), so its tokens depend on nothing
+    but its own logits and generator: not on the batch or its place in it.
     q is made as -log(U), U ~ Uniform[0, 1): the same distribution as ``exponential_``, about four
     times cheaper on CPU. U < 1 keeps q > 0; U == 0 gives q = inf, i.e. that token cannot win.
     """
     noise = torch.empty_like(probs)
-    seeded = metadata.generators
-    if not (metadata.all_random and len(seeded) == metadata.num_rows):
+    if not (all_random and len(generators) == probs.shape[0]):
         noise.uniform_()  # one draw from the default RNG for every unseeded row
-    for row, generator in seeded.items():
-        noise[row].uniform_(generator=generator)
+    for row, generator in generators.items():
+        if widths is None:
+            noise[row].uniform_(generator=generator)
+        else:
+            width = int(widths[row])
+            noise[row, :width].uniform_(generator=generator)
+            noise[row, width:] = 0.5  # past the row's candidates: zero probability, any noise
     noise.log_().neg_()
     # torch's max, not _argmax: a zero probability over a zero draw is NaN, and torch's handling of it
     # is the one the seeded streams were written against.
     return probs.div_(noise).max(dim=-1).indices
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[B, 1] log(sum(exp(x))) of each row of ``x`` [B, V]: max + log(sum(exp(x - max))), which on CPU
+    is tens of times faster than torch.logsumexp over a 262,144-column row."""
+    top = x.amax(dim=-1, keepdim=True)
+    return (x - top).exp_().sum(dim=-1, keepdim=True).log_().add_(top)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

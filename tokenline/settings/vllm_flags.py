@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenline.store.model_store import DEFAULT_MODEL_NAME
+from tokenline.store.model_store import DEFAULT_MODEL_NAME, PACKAGED_MODELS
 from tokenline.setting_field import Declared
 from tokenline.settings.catalog import all_declared
 from tokenline.settings.speculative_config import ServeArgsError, speculative_config_fields
@@ -79,9 +79,9 @@ def check_vllm_args(args: argparse.Namespace) -> list[str]:
 
 
 def check_model_argument(model: str | None) -> None:
-    """A model argument must be a local directory or file: nothing is ever downloaded, so a Hugging
-    Face repo id gets one line saying how to bring the model in."""
-    if model is None or model == DEFAULT_MODEL_NAME or Path(model).expanduser().exists():
+    """A model argument must be a local directory or file, or a packaged model's name (gemma3-270m):
+    nothing is ever downloaded, so a Hugging Face repo id gets one line saying how to bring the model in."""
+    if model is None or model in (DEFAULT_MODEL_NAME, *PACKAGED_MODELS) or Path(model).expanduser().exists():
         return
     raise ServeArgsError(
         f"model {model!r} is neither a directory nor a file, and tokenline downloads nothing. Pass an "
