@@ -110,7 +110,7 @@ class TokenQueue(BaseStreamer):
 class Engine:
     """The model, its tokenizer, and transformers' generation behind it (continuous batching or not)."""
 
-    def __init__(self, model_dir: str, mode: str, max_batch_tokens: int | None) -> None:
+    def __init__(self, model_dir: str, mode: str, max_batch_tokens: int | None, kv_cache_gib: float) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
         self.mode = mode
@@ -123,7 +123,13 @@ class Engine:
 
             config = GenerationConfig(do_sample=False, max_new_tokens=DEFAULT_MAX_TOKENS,
                                       eos_token_id=self.eos or None)
-            cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens) if max_batch_tokens else None
+            # On CPU transformers sizes the paged cache as a share of the machine's RAM (60-90 %): bound it
+            # like vLLM's VLLM_CPU_KVCACHE_SPACE instead, as a share of what is left after the model.
+            import psutil
+
+            left = psutil.virtual_memory().total - psutil.Process().memory_info().rss
+            cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens,
+                                                 max_memory_percent=min(0.9, kv_cache_gib * 2**30 / left))
             self.manager = self.model.init_continuous_batching(generation_config=config,
                                                                continuous_batching_config=cb_config)
             self.manager.start()
@@ -274,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="continuous batching: tokens per forward pass (default: transformers' choice)")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0,
+                   help="continuous batching: GiB for the paged KV cache (default 4, as compare.py gives vLLM)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the directory)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.model, args.mode, args.max_batch_tokens)
+    engine = Engine(args.model, args.mode, args.max_batch_tokens, args.kv_cache_gib)
     try:
         engine.warm_up()
     except Exception as e:  # noqa: BLE001 - the error is the result: printed, then exit 1
