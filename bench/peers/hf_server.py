@@ -278,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["cb", "generate"], default="cb",
                    help="cb: transformers' continuous batching; generate: one request at a time via model.generate")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="continuous batching: tokens per forward pass (default: transformers' choice)")
+    p.add_argument("--max-batch-tokens", type=int, default=1024,
+                   help="continuous batching: tokens per forward pass (default 1024; transformers' own choice on "
+                        "CPU, 8192, sizes its float32 logits buffer past a few GiB of cache)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="continuous batching: GiB for the paged KV cache (default 4, as compare.py gives vLLM)")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models lists (default: the directory)")
