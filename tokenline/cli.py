@@ -618,7 +618,8 @@ def build_parser() -> CommandLineParser:
     add_fleet_plan_args(p)
     p.set_defaults(func=cmd_plan)
 
-    p = commands.add_parser("make-test-model", help="write a random-weight model in HF format (tests, demos, benchmarks)")
+    p = commands.add_parser("make-test-model",
+                            help="write a random-weight model in HF format (tests, demos, benchmarks)")
     p.add_argument("kind", choices=["qwen3.5-tiny", "qwen3.5-0.8b"],
                    help="which model to make: qwen3.5-tiny (4 layers, tests) or qwen3.5-0.8b (Qwen3.5-0.8B's text "
                         "model, bfloat16, 1.5 GB: serving benchmarks)")

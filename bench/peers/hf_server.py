@@ -220,7 +220,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         try:
-            req = parse_request(await request.json(), engine.tokenizer, engine.model.config.get_text_config().vocab_size)
+            vocab_size = engine.model.config.get_text_config().vocab_size
+            req = parse_request(await request.json(), engine.tokenizer, vocab_size)
         except json.JSONDecodeError:
             return error(400, "the body is not valid JSON")
         except BadRequest as e:
