@@ -254,9 +254,9 @@ def cmd_plan_fleet(args: argparse.Namespace) -> int:
 
 def cmd_make_test_model(args: argparse.Namespace) -> int:
     from tokenline.frontend.qwen_vocab import build_qwen_tokenizer
-    from tokenline.model.random_models import make_qwen3_5_tiny
+    from tokenline.model.random_models import make_qwen3_5_0_8b, make_qwen3_5_tiny
 
-    makers = {"qwen3.5-tiny": make_qwen3_5_tiny}
+    makers = {"qwen3.5-tiny": make_qwen3_5_tiny, "qwen3.5-0.8b": make_qwen3_5_0_8b}
     makers[args.kind](Path(args.out), seed=args.seed)
     build_qwen_tokenizer(Path(args.out))  # the real Qwen3.5 vocabulary, so the model can be served
     print(args.out)
@@ -638,8 +638,11 @@ def build_parser() -> CommandLineParser:
     add_fleet_plan_args(p)
     p.set_defaults(func=cmd_plan)
 
-    p = commands.add_parser("make-test-model", help="write a tiny random-weight model in HF format (tests, demos)")
-    p.add_argument("kind", choices=["qwen3.5-tiny"], help="which model to make")
+    p = commands.add_parser("make-test-model",
+                            help="write a random-weight model in HF format (tests, demos, benchmarks)")
+    p.add_argument("kind", choices=["qwen3.5-tiny", "qwen3.5-0.8b"],
+                   help="which model to make: qwen3.5-tiny (4 layers, tests) or qwen3.5-0.8b (Qwen3.5-0.8B's text "
+                        "model, bfloat16, 1.5 GB: serving benchmarks)")
     p.add_argument("out", help="directory to write it to")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.set_defaults(func=cmd_make_test_model)

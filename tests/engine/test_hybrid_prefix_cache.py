@@ -218,6 +218,17 @@ def test_build_engine_sizes_the_checkpoint_pool(llm: LLM, tmp_path: Path) -> Non
     assert engine.kv_cache.checkpoints is None and not engine.kv_cache.enable_prefix_caching
 
 
+def test_a_budget_the_states_fill_is_refused_with_what_took_it(llm: LLM) -> None:
+    """Recurrent states come out of --kv-cache-memory first; when they leave no KV block the error
+    names them and the flags that change them (a 0.8 B hybrid's 128 default slots need 2.3 GiB)."""
+    from tokenline.engine.factory import build_engine_core
+
+    with pytest.raises(ValueError, match=r"no KV cache block after this hybrid model's recurrent states: "
+                                         r"64 sequence slots \(--max-num-seqs\) and 0 prefix-cache"):
+        build_engine_core(EngineConfig(dtype="float32", max_num_seqs=64, kv_cache_memory_gib=0.001,
+                                       hybrid_state_checkpoints=0), llm.model_dir)
+
+
 def test_a_salted_prompt_restores_only_checkpoints_of_its_salt(llm: LLM) -> None:
     """A hybrid model's prefix cache is its state checkpoints, keyed by the salted block hashes:
     another tenant's salt finds none of them."""

@@ -60,6 +60,14 @@ def build_engine_core(config: EngineConfig, model_dir: Path, vocab_size: int | N
     state_bytes = (num_state_slots + num_checkpoints) * runner.state_bytes_per_sequence()
     budget = int(config.kv_cache_memory_gib * GIB) - state_bytes
     num_blocks = config.num_kv_blocks or max(0, budget) // runner.kv_bytes_per_block(config.block_size)
+    if not num_blocks and num_state_slots:
+        # A realistic hybrid's states are large (Qwen3.5-0.8B: 18 MiB a sequence): say what took the budget.
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_memory_gib:g} GiB leaves no KV cache block after this hybrid "
+            f"model's recurrent states: {num_state_slots} sequence slots (--max-num-seqs) and {num_checkpoints} "
+            f"prefix-cache checkpoints (--hybrid-state-checkpoints) of "
+            f"{runner.state_bytes_per_sequence() / 2**20:.1f} MiB each take {state_bytes / GIB:.2f} GiB; raise "
+            "--kv-cache-memory or lower --max-num-seqs")
     runner.allocate_kv_cache(num_blocks, config.block_size, num_state_slots + num_checkpoints)
     kv_cache = KVCacheManager(
         num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots, config.kv_cache_events,

@@ -168,12 +168,18 @@ class GatedDeltaNet(nn.Module):
         fresh = (positions == 0)[:, None, None]
         window = torch.cat([conv_state.index_select(0, slots).masked_fill(fresh, 0), mixed.unsqueeze(-1)], dim=-1)
         conv_state.index_copy_(0, slots, window[:, :, 1:])
-        conv_out = F.silu(F.conv1d(window.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
-        q, k, v = self._split_qkv(conv_out.squeeze(-1).to(mixed.dtype))
+        # One output a channel: the window's dot product with its filter, in float32. F.conv1d's
+        # depthwise path (oneDNN) cost ~100x more than this product for [D, conv_dim, kernel].
+        conv_out = F.silu((window.float() * self.conv1d.weight[:, 0, :].float()).sum(-1))
+        q, k, v = self._split_qkv(conv_out.to(mixed.dtype))
 
-        initial = recurrent_state.index_select(0, slots).masked_fill(fresh.unsqueeze(-1), 0)
+        # Advanced indexing, not index_select / index_copy_: on CPU (torch 2.13) those take ~100x longer
+        # on rows this large (a 1 MiB state a sequence), which made them most of the decode step.
+        initial = recurrent_state[slots]  # a copy: zeroed in place, only when needed
+        if bool(fresh.any()):
+            initial.masked_fill_(fresh.unsqueeze(-1), 0)
         core, final = gated_delta_rule_recurrent(q, k, v, g, beta, initial)
-        recurrent_state.index_copy_(0, slots, final)
+        recurrent_state[slots] = final
         out.copy_(core)
 
     def _prefill(
@@ -334,7 +340,7 @@ class GatedDeltaNet(nn.Module):
 def copy_state_slots(state: LinearState, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy one layer's (conv window, recurrent state) from slots ``src`` to slots ``dst``."""
     for tensor in state:
-        tensor.index_copy_(0, dst, tensor.index_select(0, src))
+        tensor[dst] = tensor[src]  # not index_copy_ / index_select: slow on CPU for large rows (see _decode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,12 +371,16 @@ def gated_delta_rule_recurrent(
         return _fla_recurrent(fla, q, k, v, g, beta, state)
     q, k = _normalise_qk(q, k, v.shape[-2])
     v = v.float()
+    d, h, dk, dv = state.shape
+    # The state is the step's big operand (Hv x dk x dv floats a sequence): one new tensor for the
+    # decayed state, then updated in place and read through bmm, rather than a temporary per term.
     state = state.float() * g.exp()[..., None, None]
+    flat = state.view(d * h, dk, dv)
     # What the decayed state already predicts for k; only the correction is written (the delta rule).
-    predicted = torch.einsum("dhk,dhkv->dhv", k, state)
+    predicted = torch.bmm(k.reshape(d * h, 1, dk), flat).view(d, h, dv)
     delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("dhk,dhkv->dhv", q, state), state
+    flat.baddbmm_(k.reshape(d * h, dk, 1), delta.reshape(d * h, 1, dv))
+    return torch.bmm(q.reshape(d * h, 1, dk), flat).view(d, h, dv), state
 
 
 def gated_delta_rule_chunked(
@@ -583,7 +593,7 @@ class PendingStates:
         windows = self.windows.index_select(0, rows_t)
         windows = windows.gather(2, columns[:, None, :].expand(-1, windows.shape[1], -1))
         conv_state.index_copy_(0, slots_t, windows.to(conv_state.dtype))
-        recurrent_state.index_copy_(0, slots_t, self.writes.states_after(rows_t, counts_t))
+        recurrent_state[slots_t] = self.writes.states_after(rows_t, counts_t)  # not index_copy_ (see _decode)
 
 
 @functools.cache

@@ -63,6 +63,53 @@ def make_qwen3_5_tiny(out_dir: Path, seed: int = 0, mtp_layers: int = 1) -> None
     (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
+def qwen3_5_0_8b_text_config() -> Any:
+    """The text model of Qwen3.5-0.8B (``Qwen/Qwen3.5-0.8B``'s ``text_config``), as a transformers config.
+
+    24 layers in the released pattern (three Gated DeltaNet layers, then one gated full-attention
+    layer), hidden 1,024, MLP 3,584; full attention: 8 query heads of 256 on 2 KV heads, a quarter of
+    each head rotary; DeltaNet: 16 key and 16 value heads of 128, a 4-tap convolution; tied
+    embeddings over the padded 248,320 vocabulary. ~0.75 B parameters (0.25 B of them the
+    embedding), the size of the checkpoint less its vision tower and MTP head.
+    """
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=QWEN3_5_VOCAB_SIZE,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=262_144,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=QWEN3_5_IM_END_ID,
+        pad_token_id=QWEN3_5_ENDOFTEXT_ID,
+    )
+
+
+def make_qwen3_5_0_8b(out_dir: Path, seed: int = 0) -> None:
+    """Write Qwen3.5-0.8B's text model (:func:`qwen3_5_0_8b_text_config`) with seeded random weights
+    in bfloat16 (1.5 GB), no MTP head: a hybrid of realistic size for serving benchmarks, where every
+    server reads the same file."""
+    from transformers import Qwen3_5ForCausalLM
+
+    config = qwen3_5_0_8b_text_config()
+    _save_random(lambda: Qwen3_5ForCausalLM(config), Path(out_dir), seed, dtype=torch.bfloat16)
+    generation = {"eos_token_id": QWEN3_5_IM_END_ID, "pad_token_id": QWEN3_5_ENDOFTEXT_ID}
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
 def add_qwen3_5_mtp_weights(out_dir: Path, num_layers: int = 1, seed: int = 0) -> None:
     """Add seeded random MTP weights to a saved Qwen3.5 checkpoint, in the real layout.
 
@@ -163,8 +210,8 @@ def make_sliding_tiny(out_dir: Path, seed: int = 0, window: int = 16) -> None:
     _save_random(lambda: Qwen3ForCausalLM(config), Path(out_dir), seed)
 
 
-def _save_random(build: Callable[[], Any], out_dir: Path, seed: int) -> None:
-    """A transformers model built with seeded weights, in float32, saved as safetensors with its config.
+def _save_random(build: Callable[[], Any], out_dir: Path, seed: int, dtype: torch.dtype = torch.float32) -> None:
+    """A transformers model built with seeded weights, saved in ``dtype`` as safetensors with its config.
 
     HF initialises norm weights at one (and Qwen3.5's ``1 + w`` norms at zero), which would hide a
     wrong norm variant; a seeded perturbation makes every norm weight count in tests.
@@ -175,6 +222,7 @@ def _save_random(build: Callable[[], Any], out_dir: Path, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
+    model = model.to(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
 
