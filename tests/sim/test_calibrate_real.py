@@ -108,6 +108,8 @@ def test_server_run_fit_reads_scale_overhead_and_request_overhead() -> None:
     fit = run.fit(model)
     assert fit.step_scale == pytest.approx(1.2, rel=1e-6) and fit.step_overhead_s == pytest.approx(0.003, abs=1e-7)
     assert fit.request_overhead_s == pytest.approx(0.5 - 0.40 - 0.003, abs=1e-6) and fit.num_steps == 9
+    kept = run.fit(model, scale=False)  # calibrate's: k stays 1, g takes what the steps add beyond the model
+    assert kept.step_scale == 1.0 and kept.step_overhead_s > 0.003
     # a c=1 TTFT no longer than its prefill step and g (noise) leaves the floor, not zero
     from tokenline.sim.server_fit import MIN_REQUEST_OVERHEAD_S
 

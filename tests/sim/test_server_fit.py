@@ -51,16 +51,16 @@ def test_fit_recovers_a_scale_and_an_overhead() -> None:
         fit_scale_and_overhead(MODEL, steps[:1])
 
 
-def test_a_server_slower_than_the_model_fits_a_scale_above_one() -> None:
-    # calibrate's case: its model's fit took the server's steps in beside the offline ones, which
-    # outnumber them; a server stepping 1.2 x that model (+3 ms) gives k = 1.2, a faster one k < 1
+def test_a_model_fitted_over_the_server_steps_keeps_k_at_one() -> None:
+    # calibrate's case: its step model's fit took the server's steps in, so only g is fitted on them
     rng = random.Random(4)
     features = [StepFeatures(rng.choice([0, 0, 0, 96, 576]), rng.randint(0, 6), rng.randint(50, 1200))
                 for _ in range(80)]
-    slower = [(f, 1.2 * MODEL.predict(f) + 0.003) for f in features]
-    assert fit_scale_and_overhead(MODEL, slower) == pytest.approx((1.2, 0.003))
-    faster = [(f, 0.95 * MODEL.predict(f)) for f in features]
-    assert fit_scale_and_overhead(MODEL, faster) == pytest.approx((0.95, 0.0), abs=1e-9)
+    exact = [(f, MODEL.predict(f) + 0.003) for f in features]
+    assert fit_scale_and_overhead(MODEL, exact, scale=False) == pytest.approx((1.0, 0.003))
+    faster = [(f, 0.95 * MODEL.predict(f)) for f in features]  # the machine sped up: still k = 1, g = 0
+    assert fit_scale_and_overhead(MODEL, faster, scale=False) == (1.0, 0.0)
+    assert fit_scale_and_overhead(MODEL, faster)[0] == pytest.approx(0.95)
 
 
 def test_the_simulator_runs_steps_at_the_servers_scale_and_overhead() -> None:

@@ -10,7 +10,7 @@ model's fit (``calibrate``), and on them:
 
 k is how much slower the engine's steps run beside the API process and the load client on the same
 cores than a step model fitted elsewhere prices them, g the per-step time outside the step (sending
-outputs, reading new requests). ``calibrate`` fits its model over these steps too, then k and g on them. The request
+outputs, reading new requests). ``calibrate`` fits its model over these steps too, and keeps k = 1. The request
 overhead is what the client waits beyond the engine at c=1: TTFT less the prefill step.
 """
 
@@ -66,9 +66,10 @@ class ServerRun:
     lone_prefills_s: tuple[float, ...]
     lone_ttft_p50_s: float
 
-    def fit(self, model: StepModel) -> ServerFit:
-        """k, g and the request overhead against ``model``."""
-        k, g = fit_scale_and_overhead(model, self.steps)
+    def fit(self, model: StepModel, scale: bool = True) -> ServerFit:
+        """k, g and the request overhead against ``model``; ``scale=False`` (for a model whose own
+        fit took these steps in) keeps k = 1."""
+        k, g = fit_scale_and_overhead(model, self.steps, scale)
         request_overhead = max(MIN_REQUEST_OVERHEAD_S, self.lone_ttft_p50_s - median(self.lone_prefills_s) - g)
         return ServerFit(k, g, request_overhead, len(self.steps))
 
@@ -90,15 +91,19 @@ def busy_steps(records: Sequence[dict[str, Any]]) -> list[tuple[StepFeatures, fl
     return out
 
 
-def fit_scale_and_overhead(model: StepModel, steps: Sequence[tuple[StepFeatures, float]]) -> tuple[float, float]:
+def fit_scale_and_overhead(model: StepModel, steps: Sequence[tuple[StepFeatures, float]],
+                           scale: bool = True) -> tuple[float, float]:
     """wall = k · model(f) + g by ``robust_lstsq`` over relative errors, as the step model is fitted
-    (k, g >= 0; steps another process slowed left out)."""
+    (k, g >= 0; steps another process slowed left out). ``scale=False``: k = 1, g alone."""
     if len(steps) < 2:
         raise ValueError(f"need at least 2 busy server steps to fit, got {len(steps)}")
     pred = np.array([model.predict(f) for f, _ in steps])
     wall = np.array([w for _, w in steps])
     # In absolute terms the few long prefill steps would set k and their spread the outlier band.
     weight = relative_weight(wall)
+    if not scale:
+        (g,), _ = robust_lstsq(weight[:, None], (wall - pred) * weight)
+        return 1.0, float(g)
     (k, g), _ = robust_lstsq(np.stack([pred, np.ones_like(pred)], axis=1) * weight[:, None], wall * weight)
     return float(k), float(g)
 
