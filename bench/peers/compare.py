@@ -357,18 +357,18 @@ def _hf_system(name: str, port: int, threads: int, hf_dir: str, note: str, serve
 def _make_model_system(name: str, port: int, threads: int, repack: bool, model: ModelFiles) -> System:
     """The systems serving ``--random-model``'s files: the same server flags as for the default model."""
     if name in ("tokenline", "tokenline-ngram"):
-        base = _make_system(name, port, threads, repack)
+        base = _make_system(name, port, threads, repack, MODELS[DEFAULT_MODEL_NAME])
         return replace(base, argv=[*base.argv, "--model", model.hf_dir],
                        model_note=base.model_note.replace("HF dir", model.note))
     if name == "vllm":
-        base = _make_system(name, port, threads, repack)
+        base = _make_system(name, port, threads, repack, MODELS[DEFAULT_MODEL_NAME])
         argv = list(base.argv)
         argv[argv.index("--model") + 1] = model.hf_dir
         return replace(base, argv=argv, model_note=model.note)
     if name == "llamacpp":
         if model.gguf is None:
             raise SystemExit(model.gguf_error)
-        base, default_gguf = _make_system(name, port, threads, repack), gguf_path()
+        base, default_gguf = _make_system(name, port, threads, repack, MODELS[DEFAULT_MODEL_NAME]), gguf_path()
         argv = [model.gguf if arg == default_gguf else arg for arg in base.argv]
         return replace(base, argv=argv, model_note=f"{model.note}, converted by llama.cpp (bf16 GGUF)",
                        model=Path(model.gguf).stem if base.model else None)
