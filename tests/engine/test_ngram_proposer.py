@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -81,14 +80,18 @@ def test_rejects_bad_settings() -> None:
         NgramProposer(4, 0, 2)
 
 
-def test_fast_on_long_sequences() -> None:
+def test_long_sequences_extend_one_buffer() -> None:
+    """A step packs only its new tokens and searches with C-level scans: the buffer is extended in
+    place, never rebuilt from the whole sequence (the time per call is a benchmark's to report)."""
     rng = random.Random(0)
     proposer = NgramProposer(4, 2, 4)
     ids = [rng.randrange(49152) for _ in range(8000)]
     proposer.propose("r", ids, 4)
-    start = time.perf_counter()
+    packed = proposer._ids["r"]
     for _ in range(200):
         ids.append(rng.randrange(49152))
         proposer.propose("r", ids, 4)
-    # Three C-level scans of 32 KB per call: far below a model step even on a slow machine.
-    assert (time.perf_counter() - start) / 200 < 2e-3
+        assert proposer._ids["r"] is packed and len(packed) == len(ids)
+    assert list(packed) == ids
+    ids.extend(ids[100:104])  # a repeated 4-gram is found at the end of a long sequence
+    assert proposer.propose("r", ids, 4) == ids[104:108]
