@@ -209,3 +209,40 @@ def test_prefill_attention_pairs_price_a_chunk_over_a_cached_prefix() -> None:
     assert both.q == pytest.approx(2 * fit.q) and both.q_fused == pytest.approx(2 * fit.q_fused)
     for f in (turn, short_over_long):
         assert both.predict(f) == pytest.approx(fit.predict(f) + fit.prefill_s(f), rel=1e-9)
+
+
+def test_steps_a_server_measured_get_their_own_intercept() -> None:
+    """A server's step walls hold what it adds to every step (outputs sent, requests read): with
+    ``in_server`` that goes to an intercept of their own, and the engine's own prices stay exact."""
+    truth = StepModel(a=0.012, b=0.0006, c=0.0004, d=1e-6, f=0.015, knots=(4, 8, 16), hinges=(0.0003, 0.0, 0.0002))
+    offline = [StepFeatures(p, n, 300 * n + p) for p in (0, 32, 64, 96, 384) for n in (0, 1, 4, 8, 16, 32) if p + n]
+    served = [StepFeatures(0, n, 500 * n) for n in (1, 1, 2, 6, 6, 16, 16)] + [StepFeatures(64, 3, 1500)]
+    durations = [truth.predict(f) for f in offline] + [truth.predict(f) + 0.003 for f in served]
+    flags = [False] * len(offline) + [True] * len(served)
+    shared = fit_step_model(offline + served, durations, knots=(4, 8, 16))
+    apart = fit_step_model(offline + served, durations, knots=(4, 8, 16), in_server=flags)
+    probe = StepFeatures(0, 1, 300)
+    assert apart.predict(probe) == pytest.approx(truth.predict(probe), rel=1e-6)
+    assert apart.a == pytest.approx(truth.a, rel=1e-6) and apart.residual_rms_s < 1e-9
+    assert abs(shared.predict(probe) / truth.predict(probe) - 1) > 0.01  # one intercept for both misprices
+    with pytest.raises(ValueError, match="in_server"):
+        fit_step_model(offline, durations[: len(offline)], in_server=[True])
+
+
+def test_with_hinges_the_log_term_is_left_out() -> None:
+    """Hinges at every inner batch size already pass a line through each measured batch; the log
+    term on top only trades off against them (an ill-conditioned fit), so a hinged fit keeps e = 0
+    and two noisy measurements of one curve price its batches alike."""
+    truth = StepModel(a=0.012, b=0.0006, c=0.0003, d=1e-6, knots=(4, 8, 16), hinges=(0.0005, 0.0, 0.0002))
+    features = [StepFeatures(p, n, 200 * n + p) for p in (0, 0, 32, 128) for n in (1, 4, 8, 16, 32)]
+    features += [StepFeatures(p, 0, p) for p in (32, 64, 96, 384)]
+    fits = []
+    for seed in (1, 2):
+        rng = random.Random(seed)
+        durations = [truth.predict(f) * (1 + rng.gauss(0, 0.02)) for f in features]
+        fits.append(fit_step_model(features, durations, knots=(4, 8, 16)))
+    for n in (1, 4, 8, 16, 32):
+        f = StepFeatures(0, n, 200 * n)
+        assert [fit.e for fit in fits] == [0.0, 0.0]
+        assert fits[0].predict(f) == pytest.approx(truth.predict(f), rel=0.05)
+        assert fits[0].predict(f) == pytest.approx(fits[1].predict(f), rel=0.05)

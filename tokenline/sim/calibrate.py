@@ -34,8 +34,10 @@ from tokenline.sim.step_model import StepFeatures, batch_features, fit_step_mode
 
 @dataclass
 class CalibrationDesign:
-    # 64 and 96 sit either side of the one-call layer's cap (FUSED_DECODE_ROWS): they pin its jump (f).
-    prefill_lens: tuple[int, ...] = (32, 64, 96, 128, 384)
+    # 64 against 72 and 96, either side of the one-call layer's cap (FUSED_DECODE_ROWS), pin its jump
+    # (f): with 96 alone it came out 12.6, 27.2 and 16.1 ms in three quiet calibrations, and the two
+    # smaller put a server's c=4 x 64-token TPOT (a prompt beside three decodes: 67 tokens) 23 % low.
+    prefill_lens: tuple[int, ...] = (32, 64, 72, 96, 128, 384)
     # 1024 (batches 1-8) pins the cost per attended context token (d) where little else grows: with
     # contexts of 32 and 256 only, d moved between 5 and 13 us from one calibration to the next,
     # and multi-turn chats (contexts of 300-550) read 20-36 % off in TPOT.
@@ -48,7 +50,7 @@ class CalibrationDesign:
     # reach 2048 tokens, so a profile prices the steps of a larger --max-num-batched-tokens too.
     step_tokens: int = 2048
     decode_steps: int = 5  # output tokens per decode-batch request: its prefill step, then decode steps
-    repeats: int = 2
+    repeats: int = 3  # two left the fit's coefficients to each run's noise (profiles 10-25 % apart)
     max_seconds: float = 300.0  # the design stops early (keeping what it has) past this
     # Where a step's prefill tokens may start to cost more each (step_model's prefill hinge): the fit
     # takes the best of these. The decode batches' prefill steps reach 1024 and 2048 tokens.
@@ -205,7 +207,8 @@ def calibrate(
         # steps the decode batches and contexts a server runs (an offline-only fit put batch-8 steps
         # 15 % high against a real server's, its context cost taken from contexts of 32-256).
         step_model = fit_step_model(features + [f for f, _ in server.steps],
-                                    durations + [w for _, w in server.steps], knots, design.prefill_knots)
+                                    durations + [w for _, w in server.steps], knots, design.prefill_knots,
+                                    in_server=[False] * len(features) + [True] * len(server.steps))
         # k stays 1: this model's fit holds the server's steps already, and a scale fitted again on
         # them alone weighed the machine's speed in their ~90 s. Six calibrations here fitted k =
         # 0.95-1.05; the comparisons straight after each stepped at a median 0.99-1.04 of the model.

@@ -5,7 +5,8 @@ one-call layer takes.
 
 The log term is how a decode batch costs less per sequence as it grows (on the CPU here one decode
 sequence took 65 ms, 8 took 175 ms and 32 took 278 ms: a GEMV becoming a GEMM); the linear one
-keeps what grows with the batch at any size. The hinges (at knots k, the calibration design's
+keeps what grows with the batch at any size (a fit with hinges leaves the log term out:
+``fit_step_model``). The hinges (at knots k, the calibration design's
 inner decode batch sizes) let the per-sequence cost rise past a knot instead: on the CPU here a
 decode step is bound by reading the weights at a few sequences and by the linears' arithmetic
 beyond, so its curve bends upwards, and a straight line through 1..32 sequences put 8-sequence
@@ -140,7 +141,8 @@ def windowed_pair_count(start_pos: int, num_tokens: int, window: int) -> int:
 
 
 def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float],
-                   knots: Sequence[int] = (), prefill_knots: Sequence[int] = ()) -> StepModel:
+                   knots: Sequence[int] = (), prefill_knots: Sequence[int] = (),
+                   in_server: Sequence[bool] | None = None) -> StepModel:
     """Least-squares fit of the coefficients (nine, plus a hinge per knot) to measured step times,
     each step by its relative error, robust to a shared machine: no coefficient below zero (no
     feature makes a step faster; hinges only steepen the curve), and steps more than 3 scaled MADs
@@ -148,25 +150,41 @@ def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float
     ``residual_rms_s`` and ``residual_rms_rel`` are over the steps kept.
 
     ``prefill_knots``: candidate knots for the prefill hinge; each below the largest prefill step is
-    fitted and the one whose fit is closest over every step (kept or not, relative errors) is taken."""
+    fitted and the one whose fit is closest over every step (kept or not, relative errors) is taken.
+
+    With ``knots``, the log term is left out (e = 0): hinges at every inner batch size of a design
+    already draw a line through each measured batch, and the two together were ill-conditioned
+    (three quiet calibrations fitted e = 0.68, 2.85 and 0.67 ms, the hinge past 4 making up for it,
+    and simulated 10-25 % apart). ``in_server``: which steps a real server measured (their wall
+    time, outputs sent and requests read included); they get an intercept of their own, so that
+    what a server adds to each step (``server_fit``'s g, ~3 ms on the CPU here) does not raise the
+    engine's own price of a step (a shared one put the offline steps' intercept 1.7 ms high and a
+    server's batch-1 decode steps 9-16 % over the fit)."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
+    if in_server is not None and len(in_server) != len(features):
+        raise ValueError(f"{len(features)} feature rows but {len(in_server)} in_server flags")
     largest = max((f.prefill_tokens for f in features), default=0)
-    fits = [_fit(features, durations_s, knots, k) for k in (0, *(k for k in prefill_knots if 0 < k < largest))]
+    fits = [_fit(features, durations_s, knots, k, in_server)
+            for k in (0, *(k for k in prefill_knots if 0 < k < largest))]
     return min(fits, key=lambda fit: fit[1])[0]
 
 
 def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: Sequence[int],
-         prefill_knot: int) -> tuple[StepModel, float]:
+         prefill_knot: int, in_server: Sequence[bool] | None = None) -> tuple[StepModel, float]:
     """One fit (``prefill_knot`` 0: no prefill hinge) and its relative rms over every step."""
-    columns = 9 + len(knots) + bool(prefill_knot)
+    server = in_server is not None and any(in_server)
+    columns = 9 + len(knots) + bool(prefill_knot) + server - bool(knots)
     if len(features) < columns:
         raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")
-    x = np.array([[1.0, f.prefill_tokens * f.unfused, f.decode_seqs, math.log2(1 + f.decode_seqs),
+    log_term = not knots
+    x = np.array([[1.0, f.prefill_tokens * f.unfused, f.decode_seqs, math.log2(1 + f.decode_seqs) * log_term,
                    f.attended_context_tokens, f.unfused, f.prefill_attention_pairs * f.unfused,
                    f.prefill_attention_pairs * (1 - f.unfused), f.prefill_tokens * (1 - f.unfused),
                    *(max(0, f.decode_seqs - k) for k in knots),
                    *((max(0, f.prefill_tokens - prefill_knot),) if prefill_knot else ())] for f in features])
+    if server:  # the server steps' own intercept: fitted beside the rest, then left to server_fit
+        x = np.hstack([x, np.asarray(in_server, dtype=np.float64)[:, None]])
     y = np.asarray(durations_s, dtype=np.float64)
     # Each step weighs by its relative error: in plain least squares the few multi-second prefill
     # steps set the price of the short ones (a 32-token prefill came out 24 % high on the Ice Lake
@@ -179,7 +197,7 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
     rms_rel = float(np.sqrt(np.mean(relative[keep] ** 2)))
     a, b, c, e, d, off, q, q_fused, b_fused = (float(v) for v in coef[:9])
     hinges = tuple(float(v) for v in coef[9 : 9 + len(knots)])
-    prefill_hinge = float(coef[-1]) if prefill_knot else 0.0
+    prefill_hinge = float(coef[9 + len(knots)]) if prefill_knot else 0.0
     model = StepModel(a, b, c, d, rms, e, off, tuple(knots), hinges, prefill_knot, prefill_hinge, q, q_fused, b_fused,
                       rms_rel)
     return model, float(np.sqrt(np.mean(relative**2)))
