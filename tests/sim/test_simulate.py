@@ -10,7 +10,9 @@ import pytest
 from tokenline.cli import main
 from tokenline.sim.placeholder_runner import SimClock
 from tokenline.sim.profile import Profile
-from tokenline.sim.simulate import SimConfig, build_sim_core, run_closed_loop, sim_target, simulate, workload_prompts
+from tokenline.sim.simulate import (
+    SimConfig, api_contention_factor, build_sim_core, run_closed_loop, sim_target, simulate, workload_prompts,
+)
 from tokenline.sim.step_model import StepFeatures, StepModel
 
 STEP = StepModel(a=0.010, b=0.001, c=0.002, d=1e-6)
@@ -108,6 +110,33 @@ def test_requests_sent_together_reach_the_engine_one_overhead_apart() -> None:
     ttft = sorted(r.ttft for r in run.results)
     assert ttft[0] == pytest.approx(0.01 + STEP.predict(StepFeatures(64, 0, 64)))
     assert ttft[1] > 2 * ttft[0]  # the other three waited for the lone step
+
+
+def test_a_step_beside_the_api_process_runs_slower_on_a_cpu_it_shares() -> None:
+    """On the calibrated CPU, with the engine's threads on every core, the API process handing over a
+    wave of requests takes a core from the step beside it: the lone first step runs at half speed
+    while the others are handed over, so all of them land before it ends and wait for the next."""
+    p = profile(overhead_s=0.01)
+    config = SimConfig(concurrency=16, num_prompts=16, input_len=64, output_len=3)
+    lone = STEP.predict(StepFeatures(64, 0, 64))
+    runs = {}
+    for factor in (1.0, 2.0):
+        clock = SimClock()
+        core = build_sim_core(sim_target(p, config), config, clock)
+        run = run_closed_loop(core, workload_prompts(config, p.vocab_size), 3, 16, 0.01, clock.wait_until, factor)
+        runs[factor] = (core.take_step_records(), sorted(r.ttft for r in run.results))
+    (plain, plain_ttft), (shared, shared_ttft) = runs[1.0], runs[2.0]
+    # The API is busy for 15 more hand-overs (150 ms) after the first: the 74 ms step doubles.
+    assert shared[1].start - shared[0].start == pytest.approx(2 * lone)
+    assert plain[1].start - plain[0].start == pytest.approx(lone)
+    # Nearly all made the second step, as in the real server's step records (15: 960 prefill tokens at once).
+    assert shared[1].num_prefill_tokens >= 14 * 64 > plain[1].num_prefill_tokens
+    assert shared_ttft[0] == pytest.approx(0.01 + 2 * lone)
+    cpu = Profile(**{**vars(p), "machine": {"device": "cpu", "cpu_count": 2, "torch_threads": 2}})
+    assert api_contention_factor(cpu, config) == 2.0
+    assert api_contention_factor(cpu, SimConfig(machine="h100")) == 1.0  # another machine: no shared core
+    spare = Profile(**{**vars(p), "machine": {"device": "cpu", "cpu_count": 8, "torch_threads": 4}})
+    assert api_contention_factor(spare, config) == 1.0 and api_contention_factor(p, config) == 1.0
 
 
 def test_simulation_defaults_follow_the_server() -> None:

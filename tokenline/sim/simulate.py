@@ -68,6 +68,7 @@ def run_closed_loop(
     concurrency: int,
     request_overhead_s: float = 0.0,
     wait_until: Callable[[float], None] | None = None,
+    api_contention: float = 1.0,
 ) -> ClosedLoopRun:
     """Keep ``concurrency`` requests in flight until every prompt has had ``output_len`` tokens.
 
@@ -75,7 +76,9 @@ def run_closed_loop(
     tokenize path), one at a time: the API process takes requests sent together in turn, so the
     first reaches an idle engine alone and starts a step by itself, as in a real server. TTFT and
     E2E count from the send. Times come from ``core.clock``; ``wait_until`` passes idle time
-    (default: sleep on the wall clock)."""
+    (default: sleep on the wall clock). ``api_contention``: how many times slower a step runs while
+    the API process works beside it (``api_contention_factor``); the step is stretched by the
+    overlap."""
     clock = core.clock
     wait = wait_until or (lambda t: time.sleep(max(0.0, t - clock())))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True).with_defaults()
@@ -106,8 +109,13 @@ def run_closed_loop(
         if not core.has_unfinished_requests():
             wait(arrivals[0][0])  # nothing to run until the next request lands
             continue
+        began = clock()
         outputs = core.step()
         now = clock()
+        if api_contention > 1.0 and api_free_at > began:  # the API took a core for part of the step
+            busy = api_free_at - began
+            wait(now + min((now - began) * (api_contention - 1.0), busy * (1.0 - 1.0 / api_contention)))
+            now = clock()
         for out in outputs:
             i = int(out.request_id)
             r = results[i]
@@ -190,6 +198,19 @@ def request_overhead(profile: Profile, config: SimConfig, target: SimTarget) -> 
     return profile.request_overhead_s if target.request_overhead_s is None else target.request_overhead_s
 
 
+def api_contention_factor(profile: Profile, config: SimConfig) -> float:
+    """How many times slower a step runs while the API process works: 2 on the calibrated CPU itself
+    (no ``--machine``) when the engine's threads take every core, else 1. An OpenMP step waits for
+    its slowest thread, and the one whose core the API process shares runs at half speed: a real
+    server's first step of a 16-request wave (one 64-token prompt) took 2 x its offline time while
+    the other 15 requests were handed over, and they all waited for the next step."""
+    machine = profile.machine
+    if config.what_if.machine not in (None, "this") or machine.get("device", "cpu") != "cpu":
+        return 1.0
+    threads, cpus = machine.get("torch_threads"), machine.get("cpu_count")
+    return 2.0 if isinstance(threads, int) and isinstance(cpus, int) and threads >= cpus else 1.0
+
+
 def simulate(profile: Profile, config: SimConfig, target: SimTarget | None = None) -> BenchServeReport:
     """Run the workload on simulated time and report it as ``bench serve`` would."""
     target = target or sim_target(profile, config)
@@ -197,5 +218,6 @@ def simulate(profile: Profile, config: SimConfig, target: SimTarget | None = Non
     core = build_sim_core(target, config, clock)
     overhead = request_overhead(profile, config, target)
     prompts = workload_prompts(config, target.vocab_size)
-    run = run_closed_loop(core, prompts, config.output_len, config.concurrency, overhead, clock.wait_until)
+    run = run_closed_loop(core, prompts, config.output_len, config.concurrency, overhead, clock.wait_until,
+                          api_contention_factor(profile, config))
     return report(run, config, target.model, "simulated")
