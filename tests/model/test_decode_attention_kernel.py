@@ -70,13 +70,14 @@ def _check(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype, rtol
 
 
 SHAPES = [
-    # heads, kv_heads, head_dim, block_size: the default model; GQA 4 and 1; MHA; head_dim 128, odd
+    # heads, kv_heads, head_dim, block_size: the default model; GQA 4 and 1; MHA; head_dim 128 and 256, odd
     # multiples of 16 (48, 80: no pair-interleaved values), 24 (the 8-lane vector path on any CPU), 20
     # (not a multiple of 8: the scalar path); blocks larger than the 16-token tile and smaller.
     (9, 3, 64, 16),
     (8, 2, 64, 32),
     (12, 1, 64, 8),
     (4, 4, 128, 16),
+    (4, 1, 256, 16),  # Gemma 3 270M: GQA 4 at head_dim 256 (its own copy; values in chunks)
     (6, 3, 48, 16),
     (4, 2, 80, 4),
     (4, 2, 24, 8),

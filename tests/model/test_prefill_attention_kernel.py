@@ -5,7 +5,8 @@ Prefill spans: fresh prompts and chunks after a cached prefix, lengths that cut 
 and the 16-key tiles anywhere, a one-token span, GQA groups of 1, 3 and 4, head sizes 32 and 64,
 blocks of 4 and 16 tokens handed out shuffled, and a pool holding NaN wherever nothing was written.
 Where the build has no AVX512-BF16 the kernel must decline (return False, write nothing), so the
-SDPA path runs; the builds without it and without AVX-512 are checked on this same CPU."""
+SDPA path runs; the builds without it and without AVX-512 are checked on this same CPU. The fused
+tanh-GELU-times-up kernel (Gemma 3's bfloat16 decode layer) against an exact reference and torch."""
 
 from __future__ import annotations
 
@@ -164,6 +165,7 @@ def test_builds_without_the_instructions_decline_and_keep_silu_exact(flags, port
     assert not portable.prefill_attention_bf16_(q, k_cache, v_cache, prefill_spans(spans), 0.125, out)
     assert not out.any()  # nothing written: the caller's SDPA fills it
     _check_silu_mul(portable)
+    _check_gelu_mul(portable)
 
 
 def _check_silu_mul(k: cpu_kernels.CpuKernels) -> None:
@@ -181,3 +183,31 @@ def test_silu_mul_is_torchs_two_operators_bit_for_bit() -> None:
     _check_silu_mul(kernels)
     with pytest.raises(ValueError):
         kernels.silu_mul_bf16(torch.zeros(2, 8))  # float32 rows are not its business
+
+
+def _check_gelu_mul(k: cpu_kernels.CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for rows, width in ((2, 2048), (3, 21)):  # 21: a tail past the 16-lane vectors
+        # gates of both signs from 1e-6 to 1e6 in magnitude (the tails: gelu -> x and -> -0), plus the
+        # extremes where x^3 overflows float32
+        magnitude = 10.0 ** (torch.rand(rows, width, generator=gen) * 12 - 6)
+        gate = (magnitude * torch.sign(torch.randn(rows, width, generator=gen))).bfloat16()
+        gate[0, :6] = torch.tensor([0.0, -0.0, 3e38, -3e38, -4.0, -9.0])
+        up = torch.randn(rows, width, generator=gen).bfloat16()
+        up[0] = 1.0  # row 0: the GELU itself, rounded once
+        out = k.gelu_mul_bf16(torch.cat([gate, up], dim=-1)).double()
+        x = gate.double()
+        # 0.5 x (1 + tanh(v)) as x sigmoid(2v): float64's 1 + tanh(v) cancels to 0 below v ~ -19
+        exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3))
+        assert torch.isfinite(out).all()
+        # within bfloat16's rounding of the GELU and of the product (2^-9 relative each)
+        assert ((out - exact * up.double()).abs() <= 2.0**-7 * (exact * up.double()).abs() + 1e-30).all()
+        # and torch's two operators, up to one bfloat16 step where float32's 1 + tanh(v) loses the tiny values
+        ref = (F.gelu(gate, approximate="tanh") * up).double()
+        assert ((out - ref).abs() <= 2.0**-7 * ref.abs() + 1e-6).all()
+
+
+def test_gelu_mul_matches_torchs_tanh_gelu_across_the_range() -> None:
+    _check_gelu_mul(kernels)
+    with pytest.raises(ValueError):
+        kernels.gelu_mul_bf16(torch.zeros(2, 8))

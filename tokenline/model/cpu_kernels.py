@@ -142,6 +142,8 @@ class CpuKernels:
         lib.tl_prefill_attention_bf16.restype = ctypes.c_int
         lib.tl_silu_mul_bf16.argtypes = [_P, _P, _I, _I]
         lib.tl_silu_mul_bf16.restype = None
+        lib.tl_gelu_mul_bf16.argtypes = [_P, _P, _I, _I]
+        lib.tl_gelu_mul_bf16.restype = None
         lib.tl_argmax_rows.argtypes = [ctypes.c_int, _P, _I, _I, _I, _P]
         lib.tl_argmax_rows.restype = ctypes.c_int
         self._lib = lib
@@ -256,6 +258,17 @@ class CpuKernels:
         width = gate_up.shape[-1] // 2
         out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.bfloat16)
         self._lib.tl_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0,
+                                   width)
+        return out
+
+    def gelu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` of contiguous bfloat16 rows [..., 2I] (gate | up), as
+        [..., I], rounded as the two tensor ops round (the bfloat16 decode layer's MLP activation)."""
+        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+            raise ValueError("gelu_mul_bf16 takes contiguous bfloat16 rows of even width")
+        width = gate_up.shape[-1] // 2
+        out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.bfloat16)
+        self._lib.tl_gelu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0,
                                    width)
         return out
 
