@@ -377,6 +377,8 @@ static inline __attribute__((always_inline)) void attend_item(
     float p[TL_MAX_QVEC][TL_TILE];     /* this tile's softmax weights, per query head of a group */
     uint32_t pp[TL_MAX_QVEC][TL_TILE / 2]; /* the same as bf16 pairs, for pv_pairs_bf16 */
     float vf[TL_TILE * TL_MAX_DH16 * 16]; /* this tile's values of one KV head in float32 */
+    float kf[TL_TILE * TL_MAX_DH16 * 16]; /* and its keys, beside float32 queries: widened once, not per head */
+    const int widen_k = dtype == TL_FLOAT32 && kv_dtype == TL_BFLOAT16;
     for (int64_t t = t0, n; t < t1; t += n) {
         int64_t row0, next_row0 = 0, next_n = 0;
         n = kv_tile(table, t, t1, TL_TILE, block_size, token_stride, &row0);
@@ -391,11 +393,18 @@ static inline __attribute__((always_inline)) void attend_item(
             const int64_t krow = row0 + g * Dh;
             for (int64_t i = 0; i < next_n; i++)
                 prefetch_row(k_cache, next_row0 + i * token_stride + g * Dh, Dh, kv_dtype);
+            if (widen_k)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t c = 0; c < nv; c++)
+                        _mm512_storeu_ps(kf + i * Dh + c * 16, load16(k_cache, krow + i * token_stride + c * 16, kv_dtype));
+            const void *kt = widen_k ? (const void *)kf : k_cache;
+            const int kt_dtype = widen_k ? TL_FLOAT32 : kv_dtype;
+            const int64_t kt_row = widen_k ? 0 : krow, kt_stride = widen_k ? Dh : token_stride;
             for (int64_t j = 0; j < group; j++) {
                 const int64_t h = g * group + j;
                 const __m512 *qh = qv + h * qchunks;
-                const __m512 raw = n == TL_TILE ? tile_scores(dtype, kv_dtype, nv, qh, k_cache, krow, token_stride, TL_TILE)
-                                                : tile_scores(dtype, kv_dtype, nv, qh, k_cache, krow, token_stride, n);
+                const __m512 raw = n == TL_TILE ? tile_scores(dtype, kt_dtype, nv, qh, kt, kt_row, kt_stride, TL_TILE)
+                                                : tile_scores(dtype, kt_dtype, nv, qh, kt, kt_row, kt_stride, n);
                 const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, raw, _mm512_set1_ps(scale));
                 /* Rescale only when a score passes the running max by TL_RESCALE_SLACK: weights up to
                  * e^slack are harmless in float32 and the branch is then almost never taken, instead
