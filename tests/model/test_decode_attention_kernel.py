@@ -97,8 +97,9 @@ def test_ragged_batch_matches_reference(dtype, heads, kv_heads, head_dim, block_
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 def test_bfloat16_cache_beside_float32_queries(heads, kv_heads, head_dim, block_size) -> None:
-    """--kv-cache-dtype bfloat16 on a float32 model: the rows are widened on read (the 8-lane vector
-    path, on any CPU), the rest is float32 arithmetic: the float32 result on the rounded cache."""
+    """--kv-cache-dtype bfloat16 on a float32 model (and a bfloat16 model's quantized layers): the rows
+    are widened on read (the AVX-512 path here, the 8-lane one in the portable builds), the rest is
+    float32 arithmetic: the float32 result on the rounded cache."""
     lens = [1, 17, 5 * block_size, 3 * block_size + 1, 40, 2, 16 * 5 + 9, 33]
     q, k_cache, v_cache, tables, lens = _case(heads + head_dim, len(lens), heads, kv_heads, head_dim, block_size,
                                               lens, torch.float32)

@@ -9,8 +9,8 @@
  *   row once and reuses it for all rows of x.
  * - tl_decode_attention: one query token per sequence against its paged KV cache, reading the
  *   blocks in place (no gather of the history into a padded copy, no mask). The cache is in the
- *   queries' dtype, or bfloat16 beside float32 queries (--kv-cache-dtype bfloat16: rows widened
- *   on the portable vector path). With a sliding `window` (> 0) a query reads only the last
+ *   queries' dtype, or bfloat16 beside float32 queries (--kv-cache-dtype bfloat16, the quantized
+ *   layers of a bfloat16 model: rows widened as they are read). With a sliding `window` (> 0) a query reads only the last
  *   `window` positions, its own included: older blocks are never touched (they may be freed).
  * - tl_linear_panels_f32: y = x @ w^T in float32 for up to a few hundred rows, w held in column
  *   panels for an outer-product register tile (faster than MKL's sgemm on the plain weight there).
@@ -253,8 +253,8 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[TL_T
 #endif
 
 /* q . k for one query head (prepared by prepare_query) and the key row at `index`. */
-static inline __attribute__((always_inline)) __m512 dot_row(const int dtype, const int64_t nv, const __m512 *qh,
-                                                            const void *k_cache, int64_t index) {
+static inline __attribute__((always_inline)) __m512 dot_row(const int dtype, const int kv_dtype, const int64_t nv,
+                                                            const __m512 *qh, const void *k_cache, int64_t index) {
 #if TL_DP_BF16
     if (dtype == TL_BFLOAT16) {
         const uint16_t *k = (const uint16_t *)k_cache + index;
@@ -267,8 +267,8 @@ static inline __attribute__((always_inline)) __m512 dot_row(const int dtype, con
         return acc;
     }
 #endif
-    __m512 acc = _mm512_mul_ps(qh[0], load16(k_cache, index, dtype));
-    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qh[c], load16(k_cache, index + c * 16, dtype), acc);
+    __m512 acc = _mm512_mul_ps(qh[0], load16(k_cache, index, kv_dtype));
+    for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(qh[c], load16(k_cache, index + c * 16, kv_dtype), acc);
     return acc;
 }
 
@@ -298,11 +298,12 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *base,
 
 /* Scores of one query head against a tile of n <= 16 key rows (a row repeats past the tile's
  * end; the caller masks those lanes). Called with n a constant for full tiles. */
-static inline __attribute__((always_inline)) __m512 tile_scores(const int dtype, const int64_t nv, const __m512 *qh,
+static inline __attribute__((always_inline)) __m512 tile_scores(const int dtype, const int kv_dtype, const int64_t nv,
+                                                                const __m512 *qh,
                                                                 const void *k_cache, int64_t krow, int64_t stride,
                                                                 const int64_t n) {
     __m512 sv[TL_TILE];
-    for (int64_t i = 0; i < TL_TILE; i++) sv[i] = dot_row(dtype, nv, qh, k_cache, krow + (i < n ? i : n - 1) * stride);
+    for (int64_t i = 0; i < TL_TILE; i++) sv[i] = dot_row(dtype, kv_dtype, nv, qh, k_cache, krow + (i < n ? i : n - 1) * stride);
     return reduce16(sv);
 }
 
@@ -359,8 +360,8 @@ static inline void unpermute_pairs(__m512 *acc, int64_t nv) {
  * all query heads of their group, while the next tile is prefetched. Leaves, per item head, the
  * running max m, the sum of exponentials l and the unnormalised output acc. */
 static inline __attribute__((always_inline)) void attend_item(
-    const int dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache, const void *v_cache,
-    const int64_t *table, int64_t t0, int64_t t1, int64_t g0, int64_t ng, int64_t group, int64_t block_size,
+    const int dtype, const int kv_dtype, const int64_t nv, const void *q, int64_t q_index, const void *k_cache,
+    const void *v_cache, const int64_t *table, int64_t t0, int64_t t1, int64_t g0, int64_t ng, int64_t group, int64_t block_size,
     int64_t token_stride, float scale, float *m, float *l, __m512 *acc) {
     const int64_t Dh = nv * 16;
     const int64_t heads = ng * group;
@@ -376,6 +377,8 @@ static inline __attribute__((always_inline)) void attend_item(
     float p[TL_MAX_QVEC][TL_TILE];     /* this tile's softmax weights, per query head of a group */
     uint32_t pp[TL_MAX_QVEC][TL_TILE / 2]; /* the same as bf16 pairs, for pv_pairs_bf16 */
     float vf[TL_TILE * TL_MAX_DH16 * 16]; /* this tile's values of one KV head in float32 */
+    float kf[TL_TILE * TL_MAX_DH16 * 16]; /* and its keys, beside float32 queries: widened once, not per head */
+    const int widen_k = dtype == TL_FLOAT32 && kv_dtype == TL_BFLOAT16;
     for (int64_t t = t0, n; t < t1; t += n) {
         int64_t row0, next_row0 = 0, next_n = 0;
         n = kv_tile(table, t, t1, TL_TILE, block_size, token_stride, &row0);
@@ -389,12 +392,19 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t g = 0; g < ng; g++) {
             const int64_t krow = row0 + g * Dh;
             for (int64_t i = 0; i < next_n; i++)
-                prefetch_row(k_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
+                prefetch_row(k_cache, next_row0 + i * token_stride + g * Dh, Dh, kv_dtype);
+            if (widen_k)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t c = 0; c < nv; c++)
+                        _mm512_storeu_ps(kf + i * Dh + c * 16, load16(k_cache, krow + i * token_stride + c * 16, kv_dtype));
+            const void *kt = widen_k ? (const void *)kf : k_cache;
+            const int kt_dtype = widen_k ? TL_FLOAT32 : kv_dtype;
+            const int64_t kt_row = widen_k ? 0 : krow, kt_stride = widen_k ? Dh : token_stride;
             for (int64_t j = 0; j < group; j++) {
                 const int64_t h = g * group + j;
                 const __m512 *qh = qv + h * qchunks;
-                const __m512 raw = n == TL_TILE ? tile_scores(dtype, nv, qh, k_cache, krow, token_stride, TL_TILE)
-                                                : tile_scores(dtype, nv, qh, k_cache, krow, token_stride, n);
+                const __m512 raw = n == TL_TILE ? tile_scores(dtype, kt_dtype, nv, qh, kt, kt_row, kt_stride, TL_TILE)
+                                                : tile_scores(dtype, kt_dtype, nv, qh, kt, kt_row, kt_stride, n);
                 const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, raw, _mm512_set1_ps(scale));
                 /* Rescale only when a score passes the running max by TL_RESCALE_SLACK: weights up to
                  * e^slack are harmless in float32 and the branch is then almost never taken, instead
@@ -418,7 +428,7 @@ static inline __attribute__((always_inline)) void attend_item(
             }
             const int64_t vrow = row0 + g * Dh;
             for (int64_t i = 0; i < next_n; i++)
-                prefetch_row(v_cache, next_row0 + i * token_stride + g * Dh, Dh, dtype);
+                prefetch_row(v_cache, next_row0 + i * token_stride + g * Dh, Dh, kv_dtype);
 #if TL_DP_BF16
             if (pv_pairs) {
                 const uint16_t *v = (const uint16_t *)v_cache + vrow;
@@ -435,13 +445,13 @@ static inline __attribute__((always_inline)) void attend_item(
             }
 #endif
             /* Values widened once per tile, then each query head of the group sums over them. */
-            const float *vt = dtype == TL_BFLOAT16 ? vf : (const float *)v_cache + vrow;
-            const int64_t vt_stride = dtype == TL_BFLOAT16 ? Dh : token_stride;
-            if (dtype == TL_BFLOAT16)
+            const float *vt = kv_dtype == TL_BFLOAT16 ? vf : (const float *)v_cache + vrow;
+            const int64_t vt_stride = kv_dtype == TL_BFLOAT16 ? Dh : token_stride;
+            if (kv_dtype == TL_BFLOAT16)
                 for (int64_t i = 0; i < n; i++)
                     for (int64_t c = 0; c < nv; c++)
                         _mm512_storeu_ps(vf + i * Dh + c * 16,
-                                         load16(v_cache, vrow + i * token_stride + c * 16, dtype));
+                                         load16(v_cache, vrow + i * token_stride + c * 16, kv_dtype));
             for (int64_t j = 0; j < group; j++) {
                 __m512 *a = acc + (g * group + j) * nv;
                 __m512 r[TL_MAX_DH16];
@@ -477,25 +487,26 @@ static inline void store_row(int dtype, void *out, int64_t index, const __m512 *
     }
 }
 
-/* One work item; head_dim 64, 128 and 256 get their own copies with the vector count a constant. */
-static void attend_item_dispatch(int dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
+/* One work item; head_dim 64, 128 and 256 get their own copies with the vector count a constant.
+ * The cache is in the queries' dtype, or bfloat16 beside float32 queries (widened as it is read). */
+static void attend_item_dispatch(int dtype, int kv_dtype, int64_t nv, const void *q, int64_t q_index, const void *k_cache,
                                  const void *v_cache, const int64_t *table, int64_t t0, int64_t t1, int64_t g0,
                                  int64_t ng, int64_t group, int64_t block_size, int64_t token_stride, float scale,
                                  float *m, float *l, __m512 *acc) {
-#define TL_ATTEND(DT, NV) \
-    attend_item(DT, NV, q, q_index, k_cache, v_cache, table, t0, t1, g0, ng, group, block_size, token_stride, scale, \
-                m, l, acc)
-    if (dtype == TL_BFLOAT16) {
-        if (nv == 4) TL_ATTEND(TL_BFLOAT16, 4);
-        else if (nv == 8) TL_ATTEND(TL_BFLOAT16, 8);
-        else if (nv == 16) TL_ATTEND(TL_BFLOAT16, 16);
-        else TL_ATTEND(TL_BFLOAT16, nv);
-    } else {
-        if (nv == 4) TL_ATTEND(TL_FLOAT32, 4);
-        else if (nv == 8) TL_ATTEND(TL_FLOAT32, 8);
-        else if (nv == 16) TL_ATTEND(TL_FLOAT32, 16);
-        else TL_ATTEND(TL_FLOAT32, nv);
-    }
+#define TL_ATTEND(DT, KDT, NV) \
+    attend_item(DT, KDT, NV, q, q_index, k_cache, v_cache, table, t0, t1, g0, ng, group, block_size, token_stride, \
+                scale, m, l, acc)
+#define TL_ATTEND_NV(DT, KDT) \
+    do { \
+        if (nv == 4) TL_ATTEND(DT, KDT, 4); \
+        else if (nv == 8) TL_ATTEND(DT, KDT, 8); \
+        else if (nv == 16) TL_ATTEND(DT, KDT, 16); \
+        else TL_ATTEND(DT, KDT, nv); \
+    } while (0)
+    if (dtype == TL_BFLOAT16) TL_ATTEND_NV(TL_BFLOAT16, TL_BFLOAT16);
+    else if (kv_dtype == TL_BFLOAT16) TL_ATTEND_NV(TL_FLOAT32, TL_BFLOAT16);
+    else TL_ATTEND_NV(TL_FLOAT32, TL_FLOAT32);
+#undef TL_ATTEND_NV
 #undef TL_ATTEND
 }
 #endif
@@ -780,7 +791,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
     if (window > 0 && max_len > window) max_len = window;
 #if defined(__AVX512F__)
     const int64_t nv = Dh / 16;
-    if (dtype == kv_dtype && Dh % 16 == 0 && nv <= TL_MAX_DH16 && group * nv <= TL_MAX_QVEC) {
+    if ((dtype == kv_dtype || kv_dtype == TL_BFLOAT16) && Dh % 16 == 0 && nv <= TL_MAX_DH16 && group * nv <= TL_MAX_QVEC) {
         /* A work item is (sequence, run of its tokens, KV heads): all KV heads when their query
          * vectors fit, so each token's row streams whole. Few sequences are cut into runs of
          * whole blocks (split-K) so that every thread streams; the runs merge afterwards. */
@@ -806,7 +817,7 @@ void tl_decode_attention(int dtype, int kv_dtype, const void *q, int64_t q_strid
                 const int64_t t0 = TL_FIRST(len) + chunk * blocks_per_chunk * block_size;
                 const int64_t run_end = t0 + blocks_per_chunk * block_size;
                 const int64_t t1 = chunks == 1 || run_end > len ? len : run_end; /* unsplit: all, whatever max_len */
-                attend_item_dispatch(dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
+                attend_item_dispatch(dtype, kv_dtype, nv, q, d * q_stride + g0 * group * Dh, k_cache, v_cache,
                                      tables + d * width, t0, t1, g0, kv_per_item, group, block_size, token_stride,
                                      scale, m, l, acc);
                 for (int64_t h = 0; h < heads; h++) {
