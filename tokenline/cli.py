@@ -435,6 +435,7 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
           f"{profile.num_steps} steps; {profile.model}, {profile.dtype})")
     if profile.server_steps:
         print(f"in a server: step x {profile.step_scale:.3f} + {profile.step_overhead_s * 1e3:.2f} ms "
+              f"+ {profile.step_overhead_per_seq_s * 1e3:.2f} ms/decode seq "
               f"(over {profile.server_steps} steps), {profile.request_overhead_s * 1e3:.1f} ms per request")
     load = profile.load or {}
     print(("UNDER LOAD, kept (--allow-load): " if load.get("under_load") else "load: ")

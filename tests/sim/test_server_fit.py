@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tokenline.sim.profile import Profile
-from tokenline.sim.server_fit import busy_steps, fit_scale_and_overhead, record_features
+from tokenline.sim.server_fit import ServerRun, busy_steps, fit_overheads, fit_scale_and_overhead, record_features
 from tokenline.sim.simulate import SimConfig, simulate
 from tokenline.sim.step_model import StepFeatures, StepModel
 
@@ -87,3 +87,33 @@ def test_fit_holds_when_slow_outliers_pull_the_first_pass_off_the_bulk() -> None
               for _ in range(6)]
     k, g = fit_scale_and_overhead(MODEL, steps)
     assert k == pytest.approx(1.0, abs=0.02) and g < 0.002
+
+
+def test_with_k_at_one_a_server_pays_per_step_and_per_decoding_sequence() -> None:
+    """calibrate's fit: wall = model + g + g_seq x decoding sequences (each sequence's token costs the
+    API process work beside the next step, on shared cores); the simulator adds both, here only."""
+    decode = [StepFeatures(0, n, 300 * n) for n in (1, 1, 1, 6, 6, 16, 16, 16)] * 5 + [StepFeatures(96, 5, 700)] * 3
+    steps = [(f, MODEL.predict(f) + 0.001 + 0.0004 * f.decode_seqs) for f in decode]
+    assert fit_overheads(MODEL, steps) == pytest.approx((0.001, 0.0004))
+    run = ServerRun(tuple(steps), lone_prefills_s=(0.05,), lone_ttft_p50_s=0.06)
+    fit = run.fit(MODEL, scale=False)
+    assert (fit.step_scale, fit.step_overhead_s, fit.step_overhead_per_seq_s) == pytest.approx((1.0, 0.001, 0.0004))
+    assert fit.request_overhead_s == pytest.approx(0.06 - 0.05 - 0.001 - 0.0004)  # the lone step's server share
+    assert fit_overheads(MODEL, [(f, 0.9 * MODEL.predict(f)) for f in decode]) == (0.0, 0.0)  # never negative
+
+    flat = StepModel(a=0.005, b=0.0, c=0.003, d=0.0)
+    base = Profile(step_model=flat, model="m", dtype="float32", machine={}, vocab_size=1000, max_model_len=4096,
+                   kv_bytes_per_token=46080, step_overhead_s=0.001, step_overhead_per_seq_s=0.002)
+    one = simulate(base, SimConfig(concurrency=1, num_prompts=2, input_len=16, output_len=5))
+    four = simulate(base, SimConfig(concurrency=4, num_prompts=4, input_len=16, output_len=5))
+    assert one.itl_ms["p50"] == pytest.approx(8.0 + 1.0 + 2.0)
+    assert four.itl_ms["p50"] == pytest.approx(5.0 + 4 * 3.0 + 1.0 + 4 * 2.0)
+
+
+def test_the_server_overheads_come_from_its_pure_decode_steps() -> None:
+    """Mixed prefill steps the model prices loosely (here 30 % over it) do not move g and g_seq."""
+    decode = [StepFeatures(0, n, 300 * n) for n in (1, 1, 1, 6, 6, 16, 16, 16)] * 5
+    steps = [(f, MODEL.predict(f) + 0.0025 + 0.0002 * f.decode_seqs) for f in decode]
+    mixed = [(StepFeatures(96, n, 300 * n + 96), 0.7 * MODEL.predict(StepFeatures(96, n, 300 * n + 96)))
+             for n in (1, 5, 15)] * 10
+    assert fit_overheads(MODEL, steps + mixed) == pytest.approx((0.0025, 0.0002))

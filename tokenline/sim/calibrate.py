@@ -225,6 +225,7 @@ def calibrate(
         (fit.request_overhead_s if fit else 0.0),
         num_steps=len(records) + (fit.num_steps if fit else 0),
         step_overhead_s=fit.step_overhead_s if fit else 0.0,
+        step_overhead_per_seq_s=fit.step_overhead_per_seq_s if fit else 0.0,
         step_scale=fit.step_scale if fit else 1.0,
         server_steps=fit.num_steps if fit else 0,
         model_config=json.loads((model_dir / "config.json").read_text()),

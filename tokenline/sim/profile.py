@@ -37,6 +37,9 @@ class Profile:
     # The neighbours' CPU the calibration saw (calibration_load.CalibrationLoad.to_dict); None: not measured.
     load: dict[str, Any] | None = None
     max_num_batched_tokens: int | None = None  # the largest step the design ran (its step budget)
+    # Per decoding sequence of a step, in a server (its token's detokenizing and streaming in the API
+    # process, beside the engine on shared cores): added to the step's price here (0: profiles before it).
+    step_overhead_per_seq_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}

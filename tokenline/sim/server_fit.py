@@ -10,7 +10,9 @@ model's fit (``calibrate``), and on them:
 
 k is how much slower the engine's steps run beside the API process and the load client on the same
 cores than a step model fitted elsewhere prices them, g the per-step time outside the step (sending
-outputs, reading new requests). ``calibrate`` fits its model over these steps too, and keeps k = 1. The request
+outputs, reading new requests). ``calibrate`` fits its model over these steps too, and keeps k = 1,
+fitting g + g_seq · decoding sequences instead: each sequence's token costs the API process
+detokenizing and streaming beside the engine's next step, on the cores they share. The request
 overhead is what the client waits beyond the engine at c=1: TTFT less the prefill step.
 """
 
@@ -55,6 +57,7 @@ class ServerFit:
     step_overhead_s: float  # g
     request_overhead_s: float
     num_steps: int
+    step_overhead_per_seq_s: float = 0.0  # g_seq (fitted with k = 1 only)
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,13 @@ class ServerRun:
     def fit(self, model: StepModel, scale: bool = True) -> ServerFit:
         """k, g and the request overhead against ``model``; ``scale=False`` (for a model whose own
         fit took these steps in) keeps k = 1."""
-        k, g = fit_scale_and_overhead(model, self.steps, scale)
-        request_overhead = max(MIN_REQUEST_OVERHEAD_S, self.lone_ttft_p50_s - median(self.lone_prefills_s) - g)
-        return ServerFit(k, g, request_overhead, len(self.steps))
+        if scale:
+            k, g = fit_scale_and_overhead(model, self.steps)
+            g_seq = 0.0
+        else:
+            k, (g, g_seq) = 1.0, fit_overheads(model, self.steps)
+        request_overhead = max(MIN_REQUEST_OVERHEAD_S, self.lone_ttft_p50_s - median(self.lone_prefills_s) - g - g_seq)
+        return ServerFit(k, g, request_overhead, len(self.steps), g_seq)
 
 
 def record_features(record: dict[str, Any]) -> StepFeatures:
@@ -106,6 +113,26 @@ def fit_scale_and_overhead(model: StepModel, steps: Sequence[tuple[StepFeatures,
         return 1.0, float(g)
     (k, g), _ = robust_lstsq(np.stack([pred, np.ones_like(pred)], axis=1) * weight[:, None], wall * weight)
     return float(k), float(g)
+
+
+def fit_overheads(model: StepModel, steps: Sequence[tuple[StepFeatures, float]]) -> tuple[float, float]:
+    """wall = model(f) + g + g_seq · decoding sequences, by ``robust_lstsq`` over relative errors (both
+    >= 0). g_seq: what each sequence's token costs beside the step, on cores the engine shares with
+    the API process (detokenizing, streaming): a real server's batch-16 decode steps ran 5.6-7.3 ms
+    over the offline model, its batch-1 steps 1-2.7 ms."""
+    # Pure decode steps where the server ran enough of them: the model prices those best. Over all
+    # the steps, mixed prefill ones included, three quiet calibrations fitted g = 0.2, 0.7 and 2.6 ms,
+    # while the real servers after them paid ~2.5 ms more than the model on a batch-1 decode step.
+    decode = [(f, w) for f, w in steps if f.decode_seqs and not f.prefill_tokens]
+    steps = decode if len(decode) >= 10 else steps
+    if len(steps) < 2:
+        raise ValueError(f"need at least 2 busy server steps to fit, got {len(steps)}")
+    pred = np.array([model.predict(f) for f, _ in steps])
+    wall = np.array([w for _, w in steps])
+    weight = relative_weight(wall)
+    x = np.stack([np.ones_like(pred), np.array([float(f.decode_seqs) for f, _ in steps])], axis=1)
+    (g, g_seq), _ = robust_lstsq(x * weight[:, None], (wall - pred) * weight)
+    return float(g), float(g_seq)
 
 
 @dataclass

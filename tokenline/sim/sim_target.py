@@ -7,7 +7,7 @@ A fleet of replicas (``--replicas``) would build one engine per replica from the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenline.model.config import ModelConfig
@@ -92,6 +92,8 @@ def resolve_target(profile: Profile, what_if: WhatIf, max_num_seqs: int, block_s
     # Inside a server here the engine shares the cores with the API process: its steps run slower.
     served = scaled_step_model(profile.step_model, profile.step_scale)
     if what_if.model_config is None and what_if.machine in (None, "this"):
+        if profile.step_overhead_per_seq_s:  # the API process's work for each sequence's token, here
+            served = replace(served, c=served.c + profile.step_overhead_per_seq_s)
         budget = int((what_if.kv_cache_memory_gib or DEFAULT_KV_CACHE_GIB) * GIB)
         config = ModelConfig.from_dict(profile.model_config) if profile.model_config else None
         blocks = what_if.num_kv_blocks or _num_blocks(budget, config, profile.kv_bytes_per_token, block_size)

@@ -156,10 +156,10 @@ def fit_step_model(features: Sequence[StepFeatures], durations_s: Sequence[float
     already draw a line through each measured batch, and the two together were ill-conditioned
     (three quiet calibrations fitted e = 0.68, 2.85 and 0.67 ms, the hinge past 4 making up for it,
     and simulated 10-25 % apart). ``in_server``: which steps a real server measured (their wall
-    time, outputs sent and requests read included); they get an intercept of their own, so that
-    what a server adds to each step (``server_fit``'s g, ~3 ms on the CPU here) does not raise the
-    engine's own price of a step (a shared one put the offline steps' intercept 1.7 ms high and a
-    server's batch-1 decode steps 9-16 % over the fit)."""
+    time, outputs sent and requests read included); they get an intercept and a price per decoding
+    sequence of their own, so that what a server adds to each step (``server_fit``'s g and g_seq)
+    does not raise the engine's own prices (a shared intercept put the offline steps' 1.7 ms high
+    and a server's batch-1 decode steps 9-16 % over the fit)."""
     if len(features) != len(durations_s):
         raise ValueError(f"{len(features)} feature rows but {len(durations_s)} durations")
     if in_server is not None and len(in_server) != len(features):
@@ -174,7 +174,7 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
          prefill_knot: int, in_server: Sequence[bool] | None = None) -> tuple[StepModel, float]:
     """One fit (``prefill_knot`` 0: no prefill hinge) and its relative rms over every step."""
     server = in_server is not None and any(in_server)
-    columns = 9 + len(knots) + bool(prefill_knot) + server - bool(knots)
+    columns = 9 + len(knots) + bool(prefill_knot) + 2 * server - bool(knots)
     if len(features) < columns:
         raise ValueError(f"need at least {columns} steps to fit {columns} coefficients, got {len(features)}")
     log_term = not knots
@@ -183,8 +183,9 @@ def _fit(features: Sequence[StepFeatures], durations_s: Sequence[float], knots: 
                    f.prefill_attention_pairs * (1 - f.unfused), f.prefill_tokens * (1 - f.unfused),
                    *(max(0, f.decode_seqs - k) for k in knots),
                    *((max(0, f.prefill_tokens - prefill_knot),) if prefill_knot else ())] for f in features])
-    if server:  # the server steps' own intercept: fitted beside the rest, then left to server_fit
-        x = np.hstack([x, np.asarray(in_server, dtype=np.float64)[:, None]])
+    if server:  # the server steps' own intercept and price a sequence: fitted beside the rest, left to server_fit
+        flags = np.asarray(in_server, dtype=np.float64)
+        x = np.hstack([x, flags[:, None], (flags * [f.decode_seqs for f in features])[:, None]])
     y = np.asarray(durations_s, dtype=np.float64)
     # Each step weighs by its relative error: in plain least squares the few multi-second prefill
     # steps set the price of the short ones (a 32-token prefill came out 24 % high on the Ice Lake
