@@ -21,6 +21,7 @@ from tokenline.model.llama import LlamaDecoderLayer
 from tokenline.model.quantization import pack_panels
 from tokenline.model.runner import ModelRunner
 from tokenline.sampling_params import SamplingParams
+from tests.model.layer_calls import counted_decode_layer_calls
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler here: the torch path is used")
@@ -326,16 +327,9 @@ def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path
         sp = SamplingParams(temperature=0.0, max_tokens=64).with_defaults()
         generator = torch.Generator().manual_seed(5)
         prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (9, 14, 20)]
-        calls = []
         fused_layers = model._fused_layers_or_none()
         assert fused_layers is not None
         kernels = fused_layers[0]
-        original = kernels.decode_layer_
-
-        def counting(x: torch.Tensor, *args: object) -> None:
-            calls.append(x.shape[0])
-            original(x, *args)
-
         outputs = {}
         for path, fused_rows in (("torch", 0), ("fused", FUSED_DECODE_ROWS)):
             base = 0 if path == "torch" else 3 * per_seq
@@ -349,19 +343,15 @@ def test_mixed_small_steps_take_the_fused_path_and_agree(default_model_dir: Path
             a_next, b_next = first["a"].token_id, first["b"].token_id
             drafts = [b_next, 101, 202, b_next, 303, 404]  # the first is wrong at once, and so on
             model.fused_decode_rows = fused_rows
-            kernels.decode_layer_ = counting  # type: ignore[method-assign]
-            try:
+            with counted_decode_layer_calls(kernels) as calls:
                 out = runner.execute(ScheduledBatch([
                     ScheduledSeq("a", [a_next], len(prompts[0]), tables[0], True, sp),
                     ScheduledSeq("b", [b_next, *drafts], len(prompts[1]), tables[1], True, sp,
                                  draft_token_ids=drafts),
                     ScheduledSeq("c", prompts[2][16:], 16, tables[2], True, sp),
                 ]))
-            finally:
-                kernels.decode_layer_ = original  # type: ignore[method-assign]
             outputs[path] = {k: (v.token_id, v.draft_targets) for k, v in out.items()}
             assert calls == ([12] * len(model.layers) if path == "fused" else [])
-            calls.clear()
         assert outputs["fused"] == outputs["torch"]
         assert len(outputs["fused"]["b"][1]) == 6
     finally:
@@ -386,15 +376,7 @@ def test_bfloat16_model_decodes_through_the_one_call_layers(default_model_dir: P
     sp = SamplingParams(temperature=0.0, max_tokens=64, logprobs=3).with_defaults()
     generator = torch.Generator().manual_seed(8)
     prompts = [torch.randint(100, 40000, (int(n),), generator=generator).tolist() for n in (17, 30, 9, 24)[:batch]]
-    calls: list[int] = []
-    original = kernels.decode_layer_
-
-    def counting(x: torch.Tensor, *args: object) -> None:
-        calls.append(x.shape[0])
-        original(x, *args)
-
     outputs = {}
-    kernels.decode_layer_ = counting  # type: ignore[method-assign]
     try:
         for path, fused_rows in (("torch", 0), ("fused", FUSED_DECODE_ROWS)):
             base = 0 if path == "torch" else batch * per_seq
@@ -405,17 +387,16 @@ def test_bfloat16_model_decodes_through_the_one_call_layers(default_model_dir: P
                                            for i, s in enumerate(seqs)]))
             model.fused_decode_rows = fused_rows
             steps = []
-            for _ in range(6):
-                out = runner.execute(ScheduledBatch([ScheduledSeq(f"s{i}", [s[-1]], len(s) - 1, tables[i], True, sp)
-                                                     for i, s in enumerate(seqs)]))
-                steps.append([(out[f"s{i}"].token_id, out[f"s{i}"].logprobs) for i in range(batch)])
-                for i, s in enumerate(seqs):
-                    s.append(out[f"s{i}"].token_id)
+            with counted_decode_layer_calls(kernels) as calls:
+                for _ in range(6):
+                    out = runner.execute(ScheduledBatch([
+                        ScheduledSeq(f"s{i}", [s[-1]], len(s) - 1, tables[i], True, sp) for i, s in enumerate(seqs)]))
+                    steps.append([(out[f"s{i}"].token_id, out[f"s{i}"].logprobs) for i in range(batch)])
+                    for i, s in enumerate(seqs):
+                        s.append(out[f"s{i}"].token_id)
             outputs[path] = steps
             assert calls == ([batch] * 6 * len(model.layers) if path == "fused" else [])
-            calls.clear()
     finally:
-        kernels.decode_layer_ = original  # type: ignore[method-assign]
         model.fused_decode_rows = FUSED_DECODE_ROWS
     assert outputs["fused"] == outputs["torch"]
     assert all(lp is not None for step in outputs["torch"] for _, lp in step)  # log-probs compared too

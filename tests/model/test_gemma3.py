@@ -32,6 +32,7 @@ from tokenline.frontend.tokenizer import Tokenizer  # noqa: E402
 from tokenline.model.kv_groups import sliding_blocks_needed  # noqa: E402
 from tokenline.store.model_store import GEMMA3_270M, assemble_packaged_gguf, resolve_model  # noqa: E402
 from tokenline.sampling_params import SamplingParams  # noqa: E402
+from tests.model.layer_calls import counted_decode_layer_calls  # noqa: E402
 
 PROMPT_LENGTHS = (100, 600, 1500)  # under the window, across it, across it three times
 # The 1,500-token prompt's decode steps sit at positions 1,500..1,506: at 1,503 the window's start
@@ -251,24 +252,16 @@ def _greedy_fused_and_torch(engine: EngineCore, prompts: list[list[int]]) -> dic
     fused_layers = model._fused_layers_or_none()
     assert fused_layers is not None and model.fused_step_tokens() > 0
     kernels, rows = fused_layers[0], model.fused_decode_rows
-    original = kernels.decode_layer_
-    calls: list[int] = []
-
-    def counting(x: torch.Tensor, *args: object) -> None:
-        calls.append(x.shape[0])
-        original(x, *args)
-
     tokens = {}
-    kernels.decode_layer_ = counting  # type: ignore[method-assign]
     try:
-        for path, fused_rows in (("fused", rows), ("torch", 0)):
-            engine.reset_prefix_cache()
-            model.fused_decode_rows = fused_rows
-            calls.clear()
-            tokens[path] = _run_engine(engine, prompts)
-            assert (len(prompts) in calls) == (path == "fused")  # the batch's decode rows, in one call a layer
+        with counted_decode_layer_calls(kernels) as calls:
+            for path, fused_rows in (("fused", rows), ("torch", 0)):
+                engine.reset_prefix_cache()
+                model.fused_decode_rows = fused_rows
+                calls.clear()
+                tokens[path] = _run_engine(engine, prompts)
+                assert (len(prompts) in calls) == (path == "fused")  # the batch's decode rows, in one call a layer
     finally:
-        kernels.decode_layer_ = original  # type: ignore[method-assign]
         model.fused_decode_rows = rows
     return tokens
 

@@ -16,6 +16,7 @@ from tokenline.model.config import ModelConfig
 from tokenline.model.gemma3 import Gemma3ForCausalLM
 from tokenline.model.random_models import make_gemma3_tiny
 from tokenline.model.weights import iter_safetensors, load_packed_weights
+from tests.model.layer_calls import counted_decode_layer_calls
 
 NUM_BLOCKS = 64
 WINDOW = 8
@@ -104,22 +105,12 @@ def test_engine_greedy_through_the_one_call_layers_equals_the_torch_path(
     kernels = fused_layers[0]
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 1024, (n,), generator=gen).tolist() for n in (5, 13, 30)]
-    calls: list[int] = []
-    original = kernels.decode_layer_
-
-    def counting(x: torch.Tensor, *args: object) -> None:
-        calls.append(x.shape[0])
-        original(x, *args)
-
     outputs = {}
-    kernels.decode_layer_ = counting  # type: ignore[method-assign]
-    try:
+    with counted_decode_layer_calls(kernels) as calls:
         for path, rows in (("torch", 0), ("fused", model.fused_decode_rows)):
             model.fused_decode_rows = rows
             outputs[path] = generate(make_engine(runner, 256, budget=7), prompts)
             assert bool(calls) == (path == "fused")
-    finally:
-        kernels.decode_layer_ = original  # type: ignore[method-assign]
     assert 1 in calls and max(calls) > 1  # decode rows alone, and steps of several tokens
     assert outputs["fused"] == outputs["torch"]
     if dtype == "float32" and quantization is None:
