@@ -253,23 +253,21 @@ class CpuKernels:
     def silu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of contiguous bfloat16 rows [..., 2I] (gate | up), as [..., I], rounded
         as the two tensor ops round."""
-        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
-            raise ValueError("silu_mul_bf16 takes contiguous bfloat16 rows of even width")
-        width = gate_up.shape[-1] // 2
-        out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.bfloat16)
-        self._lib.tl_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0,
-                                   width)
-        return out
+        return self._gated_mul_bf16("silu_mul_bf16", self._lib.tl_silu_mul_bf16, gate_up)
 
     def gelu_mul_bf16(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``gelu(gate, approximate="tanh") * up`` of contiguous bfloat16 rows [..., 2I] (gate | up), as
         [..., I], rounded as the two tensor ops round (the bfloat16 decode layer's MLP activation)."""
+        return self._gated_mul_bf16("gelu_mul_bf16", self._lib.tl_gelu_mul_bf16, gate_up)
+
+    @staticmethod
+    def _gated_mul_bf16(name: str, kernel: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        """``kernel(gate) * up`` of rows [..., 2I] (gate | up), as [..., I]: the two activations' one shape."""
         if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
-            raise ValueError("gelu_mul_bf16 takes contiguous bfloat16 rows of even width")
+            raise ValueError(f"{name} takes contiguous bfloat16 rows of even width")
         width = gate_up.shape[-1] // 2
         out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.bfloat16)
-        self._lib.tl_gelu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0,
-                                   width)
+        kernel(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width) if width else 0, width)
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -1122,17 +1122,22 @@ int tl_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_
  * bfloat16, then multiply by the bfloat16 weight and round again. One pass per row instead of
  * seven tensor operations.
  */
+/* 1 / rms of a bfloat16 row, summed in float32: both bfloat16 RMSNorms' first pass. */
+static inline float bf16_row_inv_rms(const uint16_t *row, int64_t H, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < H; i++) {
+        const float v = bf16_to_f32(row[i]);
+        sum += v * v;
+    }
+    return 1.0f / sqrtf(sum / (float)H + eps);
+}
+
 void tl_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t T, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (T > 8)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *row = x + t * H;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < H; i++) {
-            const float v = bf16_to_f32(row[i]);
-            sum += v * v;
-        }
-        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+        const float scale = bf16_row_inv_rms(row, H, eps);
         uint16_t *dst = out + t * H;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) {
@@ -2564,13 +2569,7 @@ static void norm_bf16(int f32, const uint16_t *x, const void *weight, uint16_t *
 #pragma omp parallel for schedule(static) if (T > 8)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *row = x + t * H;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < H; i++) {
-            const float v = bf16_to_f32(row[i]);
-            sum += v * v;
-        }
-        const float scale = 1.0f / sqrtf(sum / (float)H + eps);
+        const float scale = bf16_row_inv_rms(row, H, eps);
         uint16_t *dst = out + t * H;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) dst[i] = f32_to_bf16(bf16_to_f32(row[i]) * scale * w[i]);
