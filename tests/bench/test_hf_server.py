@@ -4,7 +4,6 @@ real default model; and what it says for a model transformers' continuous batchi
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from tests.ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peers" / "hf_server.py"
 START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(model_dir: Path, mode: str, log: Path) -> tuple[subprocess.Popen, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from tokenline.bench.serve import wait_until  # noqa: F401 - the tests import it from here
+from tests.ports import free_port
 
 STARTUP_TIMEOUT_S = 120
 
@@ -54,12 +54,6 @@ def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
             if name.endswith("}") and name.count("=") == 1 and "{model_name=" in name:
                 values[name.split("{", 1)[0]] = float(value)
     return values
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

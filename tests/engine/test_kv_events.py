@@ -32,14 +32,9 @@ from tokenline.engine.kv_events_zmq import END_SEQ, KVEventSubscriber, ZmqEventP
 from tokenline.engine.messages import AddRequest, EngineRequest, ResetPrefixCache, Shutdown, StepOutputs
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.sampling_params import SamplingParams
+from tests.ports import free_port
 
 H = [hash_block(None, [i]) for i in range(8)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the pool on its own ------------------------------------------------------------------------

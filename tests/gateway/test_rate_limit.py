@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from tokenline.gateway.rate_limit import (
     format_duration,
     make_rate_limiter,
 )
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Mid-day (UTC), so that only the daily tests come near a day boundary.
@@ -50,12 +50,6 @@ def tenant(name: str = "acme", **limits: int) -> Tenant:
 # --- a real redis-server for the Redis backend ---------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = shutil.which("redis-server")
@@ -63,7 +57,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("redis-server is not installed (apt-get install redis-server); Redis backend not tested")
     import redis
 
-    port = _free_port()
+    port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

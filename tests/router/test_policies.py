@@ -34,6 +34,7 @@ from tokenline.router.policies import (
 )
 from tokenline.router.policy import REASONS, ReplicaState, RouteDecision, RouteRequest, RoutingPolicy
 from tokenline.sampling_params import SamplingParams
+from tests.ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 B = 16  # block size
@@ -491,12 +492,6 @@ def test_precise_kv_fed_vllm_events_routes_their_tokens_there() -> None:
     assert policy.choose(RouteRequest("q", token_ids=tokens), states).predicted_hit_tokens == 4 * B
     policy.on_kv_events("vllm-1", decode_event_batch((FIXTURES / "vllm_cleared.msgpack").read_bytes()).events)
     assert policy.choose(RouteRequest("q", token_ids=tokens), states) == RouteDecision("vllm-0", "no_prefix")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_vllm_frames_over_real_zmq_reach_the_policy() -> None:

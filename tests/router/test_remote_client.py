@@ -33,15 +33,10 @@ from tokenline.router.fleet import FleetClient
 from tokenline.router.policies import make_policy
 from tokenline.router.remote_client import RemoteEngineClient, parse_upstream
 from tokenline.sampling_params import SamplingParams
+from tests.ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROMPT = json.loads((FIXTURES / "vllm_events.json").read_text())["prompt"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FakeVllm:
@@ -51,7 +46,7 @@ class FakeVllm:
     def __init__(self) -> None:
         self.mode = "ok"
         self.bodies: list[dict] = []
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(routes=[
             Route("/health", self.health), Route("/v1/models", self.models), Route("/metrics", self.metrics),
@@ -205,7 +200,7 @@ def test_fleet_of_fake_vllm_servers_retries_routes_by_their_kv_events(fakes: tup
     """Upstream b publishes vLLM 0.32's own BlockStored bytes for PROMPT on ZMQ: the kv_events policy
     sends PROMPT there; a 500 before the first byte on one upstream is retried on the other."""
     a, b = fakes
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     pub = zmq.Context.instance().socket(zmq.PUB)
     pub.bind(endpoint)
     stored = (FIXTURES / "vllm_stored.msgpack").read_bytes()
@@ -249,7 +244,7 @@ def test_a_vllm_publisher_that_connects_and_replays_with_its_topic_frame(fakes: 
     its replay socket answers ``[b"", topic, seq, payload]`` then ``[b"", b"", -1, b""]``. The router
     joins late (sees seq 1 first), fills seq 0 from the replay and routes by what both say."""
     a, b = fakes
-    endpoint, replay = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.Context.instance()
     router_socket = ctx.socket(zmq.ROUTER)
     router_socket.bind(replay)

@@ -4,7 +4,6 @@ recorded vLLM-shaped SSE lines as EngineOutputs, ``--upstream`` values and a vLL
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tokenline.router.upstream_stream import (
     sse_payload,
 )
 from tokenline.sampling_params import SamplingParams, StructuredOutputs
+from tests.ports import free_port
 
 # What vLLM 0.11's /v1/completions streams for prompt [1, 2, 3, 4, 5], max_tokens 4, return_token_ids,
 # stream_options.include_usage and --enable-prompt-tokens-details (chunks dumped with exclude_unset).
@@ -216,12 +216,6 @@ vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="2000"} 1.0
 REAL = Path(__file__).parent / "fixtures"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_real_vllm_stream_becomes_token_outputs_with_its_cached_tokens() -> None:
     """vLLM 0.32 sends ``prompt_token_ids: null`` after the first chunk and a ``system_fingerprint``
     on the usage chunk; its usage counts the prefix-cache hit in 128-token blocks."""
@@ -244,9 +238,9 @@ def test_a_real_vllm_replay_answer_feeds_the_policy() -> None:
     assert [len(f) for f in frames] == [4, 4]  # the topic frame the older 3-frame reader choked on
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
-    replay = f"tcp://127.0.0.1:{_free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
     router.bind(replay)
-    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{_free_port()}", replay)
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{free_port()}", replay)
     try:
         result: list = []
         thread = threading.Thread(target=lambda: result.extend(subscriber.replay(0, timeout_ms=5000)))
