@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
+from tokenline.bench.ports import free_port
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -63,12 +63,6 @@ class Row:
 
     def per_token_ms(self, cpu_s: float) -> float:
         return 1000 * cpu_s / max(self.output_tokens, 1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def process_cpu_s(pid: int) -> float:

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
+from tokenline.bench.ports import free_port
 
 PROBE = """(() => {
   window.__lags = [];
@@ -45,12 +45,6 @@ PROBE = """(() => {
   window.__probe = setInterval(() => { const now = performance.now(); window.__lags.push(now - last - 10); last = now; }, 10);
   return true;
 })()"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class SseViewer:

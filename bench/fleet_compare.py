@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,17 +42,12 @@ import httpx
 from tokenline.bench.results import BenchServeReport
 from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve
 from tokenline.bench.serve import wait_healthy as bench_wait_healthy
+from tokenline.bench.ports import free_port
 
 POLICIES = ("round_robin", "least_load", "prefix", "kv_events")
 REFERENCE = "single replica"
 HEALTH_TIMEOUT_S = 300.0  # two engines loading on two busy cores
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

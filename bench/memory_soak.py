@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
+from tokenline.bench.ports import free_port
 
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "new": (["--no-prefix-cache-fills-pool"], {}),
@@ -47,12 +47,6 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "old": (["--prefix-cache-fills-pool"], {"TOKENLINE_KEEP_PLAIN_WEIGHTS": "1"}),
 }
 MIB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def status_kib(pid: int, field: str) -> int:

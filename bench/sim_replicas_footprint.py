@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from tokenline.sim.profile import Profile
 from tokenline.sim.step_model import StepModel
+from tokenline.bench.ports import free_port
 
 README_STEP = StepModel(a=0.057, b=0.0028, c=0.0119, d=7.4e-6)  # SmolLM2-135M float32, one thread, here
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tree(process: psutil.Process) -> list[psutil.Process]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,15 +45,10 @@ from tokenline.sim.replicas import FleetConfig, simulate_replicas  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
 from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
+from tokenline.bench.ports import free_port
 
 TOKENLINE = [sys.executable, "-m", "tokenline.cli"]
 KEYS = ("p50_ttft_ms", "p50_tpot_ms", "p50_e2e_ms")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_events(url: str, steps: list[dict], requests: list[dict], stop: threading.Event) -> None:

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
 from tokenline.bench.throughput import PASSAGE_SENTENCES  # noqa: E402
+from tokenline.bench.ports import free_port
 
 METHODS: dict[str, list[str]] = {
     "plain": [],
@@ -118,12 +118,6 @@ def loop_share(output_ids: list[int], n: int = 8) -> float:
         looped += gram in seen
         seen.add(gram)
     return looped / max(1, len(output_ids))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spec_counters(base_url: str) -> dict[str, float]:

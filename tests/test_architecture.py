@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape; calibrate measures the machine with bench's machine probes and
     # watches the neighbours' CPU
-    "sim": {"bench.machine_probes", "bench.multiturn", "bench.neighbour_cpu", "bench.prompts", "bench.results",
+    "sim": {"bench.machine_probes", "bench.multiturn", "bench.neighbour_cpu", "bench.ports", "bench.prompts", "bench.results",
             "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},

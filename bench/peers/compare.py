@@ -39,7 +39,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tokenline.bench.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when loaded by path (tests)
 
@@ -260,12 +261,6 @@ class System:
     model_note: str = ""
     version: str = ""
     model: str | None = None  # None: the client takes the first id of /v1/models
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_system(name: str, port: int, threads: int, repack: bool = False,

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.ports import free_port
+from tokenline.bench.ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peers" / "hf_server.py"
 START_TIMEOUT_S = 300.0

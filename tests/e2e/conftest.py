@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tokenline.bench.serve import wait_until  # noqa: F401 - the tests import it from here
-from tests.ports import free_port
+from tokenline.bench.ports import free_port
 
 STARTUP_TIMEOUT_S = 120
 

@@ -32,7 +32,7 @@ from tokenline.engine.kv_events_zmq import END_SEQ, KVEventSubscriber, ZmqEventP
 from tokenline.engine.messages import AddRequest, EngineRequest, ResetPrefixCache, Shutdown, StepOutputs
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.sampling_params import SamplingParams
-from tests.ports import free_port
+from tokenline.bench.ports import free_port
 
 H = [hash_block(None, [i]) for i in range(8)]
 

@@ -25,7 +25,7 @@ from tokenline.gateway.rate_limit import (
     format_duration,
     make_rate_limiter,
 )
-from tests.ports import free_port
+from tokenline.bench.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Mid-day (UTC), so that only the daily tests come near a day boundary.

@@ -34,7 +34,7 @@ from tokenline.router.policies import (
 )
 from tokenline.router.policy import REASONS, ReplicaState, RouteDecision, RouteRequest, RoutingPolicy
 from tokenline.sampling_params import SamplingParams
-from tests.ports import free_port
+from tokenline.bench.ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 B = 16  # block size

@@ -25,7 +25,7 @@ from tokenline.router.upstream_stream import (
     sse_payload,
 )
 from tokenline.sampling_params import SamplingParams, StructuredOutputs
-from tests.ports import free_port
+from tokenline.bench.ports import free_port
 
 # What vLLM 0.11's /v1/completions streams for prompt [1, 2, 3, 4, 5], max_tokens 4, return_token_ids,
 # stream_options.include_usage and --enable-prompt-tokens-details (chunks dumped with exclude_unset).

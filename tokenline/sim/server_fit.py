@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from tokenline.bench.neighbour_cpu import CpuSnapshot, snapshot
 from tokenline.bench.results import BenchServeReport
 from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve, wait_healthy
 from tokenline.sim.step_model import StepFeatures, StepModel, relative_weight, robust_lstsq
+from tokenline.bench.ports import free_port
 
 BUSY_GAP_S = 0.05  # a longer gap before the next step: the engine was idle, waiting for a request
 # The least per-request overhead a fit gives. The API process hands requests to the engine one at a
@@ -158,12 +158,6 @@ class _StepReader:
             self.connected.set()  # the fit reports the missing records
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_load(url: str, config: BenchServeConfig) -> tuple[BenchServeReport, list[dict[str, Any]]]:
     reader = _StepReader(url)
     thread = threading.Thread(target=reader.run, daemon=True)
@@ -183,7 +177,7 @@ def run_server_loads(model_dir: Path, dtype: str, threads: int | None, startup_t
     12 output tokens) and, with ``wide``, c=16 (32 prompts of 256 tokens, 24 output tokens): workloads
     of their own, not the ones a simulation is checked on. Stops it. ``judge_load`` gets CPU readings
     (the server's tree as the server) from before and after the loads."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as log:
         # Its own usage ledger: calibration traffic stays out of the operator's.

@@ -1,4 +1,4 @@
-"""Ports for the servers the tests start.
+"""Free local ports for the servers that tests, benchmarks and calibration start.
 
 ``bind(("127.0.0.1", 0))`` hands out a port from the kernel's ephemeral range, the same range every
 outgoing connection (httpx, Ray, ZMQ, the engine's own sockets) draws its local port from. Between
@@ -17,8 +17,7 @@ from pathlib import Path
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 10_000
 _handed_out: set[int] = set()
-# Seeded per process, so two pytest processes (make test beside the reliability suite) start
-# their searches at different places.
+# Seeded per process, so two processes (make test beside a benchmark) search in different places.
 _rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
 
 
