@@ -45,8 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     # `tokenline simulate` / `bench calibrate`: the real scheduler and KV books on a simulated clock,
     # reported in bench serve's shape; calibrate measures the machine with bench's machine probes and
     # watches the neighbours' CPU
-    "sim": {"bench.machine_probes", "bench.multiturn", "bench.neighbour_cpu", "bench.ports", "bench.prompts", "bench.results",
-            "bench.serve", "engine", "model", "router", "sampling_params"},
+    "sim": {"bench.machine_probes", "bench.multiturn", "bench.neighbour_cpu", "bench.ports", "bench.prompts",
+            "bench.results", "bench.serve", "engine", "model", "router", "sampling_params"},
     "top": set(),  # `tokenline top` reads any server's /metrics over HTTP: no tokenline code
     "trace_walk": {"engine", "frontend", "gateway.ledger", "llm", "model", "sampling_params"},
     # every setting declared once (setting_field, a leaf) on the records that own it; the parsers,
