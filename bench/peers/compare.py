@@ -265,15 +265,24 @@ class System:
 
 def make_system(name: str, port: int, threads: int, repack: bool = False,
                 tokenline_args: Sequence[str] = (), model: str = DEFAULT_MODEL_NAME,
-                files: ModelFiles | None = None) -> System:
+                files: ModelFiles | None = None, named_as_vllm: bool = False) -> System:
     """``tokenline_args``: extra ``tokenline serve`` flags for every tokenline system (noted in its row).
     ``model``: a name in MODELS, which every system serves; ``files``: serve these instead
-    (``--random-model``)."""
+    (``--random-model``). ``named_as_vllm``: tokenline serves the model under the name vLLM gives it
+    (the directory it was started with), so that vLLM's client aligns its prompts on both alike."""
     system = _make_system(name, port, threads, repack, MODELS[model], files)
-    if tokenline_args and name.startswith("tokenline"):
-        extra = " ".join(tokenline_args)
-        system = replace(system, argv=[*system.argv, *tokenline_args],
-                         model_note=f"{system.model_note}, {extra}" if system.model_note else extra)
+    if name.startswith("tokenline"):
+        # vllm bench serve re-tokenizes its random prompts through the server's /tokenize, sending
+        # the model's `root` as the model: vLLM serves under that path, tokenline under a short name,
+        # which /tokenize refuses, so tokenline used to get the unaligned prompts (Gemma 3: 375
+        # tokens where vLLM got 256). llama.cpp's /tokenize takes another shape: never aligned.
+        if named_as_vllm:
+            served = files.hf_dir if files is not None else hf_model_dir(MODELS[model].name)
+            system = replace(system, argv=[*system.argv, "--served-model-name", served])
+        if tokenline_args:
+            extra = " ".join(tokenline_args)
+            system = replace(system, argv=[*system.argv, *tokenline_args],
+                             model_note=f"{system.model_note}, {extra}" if system.model_note else extra)
     return system
 
 
@@ -771,8 +780,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.system_names:
         port = args.port or free_port()
         try:
+            # Beside vLLM, named as vLLM names the model: both get the prompts its client aligned
+            # (the runs table shows the prompt tokens each got). Beside llama.cpp alone, whose
+            # /tokenize its client cannot use, neither is aligned.
             system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv, args.model,
-                                 model)
+                                 model, named_as_vllm="vllm" in args.system_names)
         except (SystemExit, subprocess.SubprocessError, OSError) as e:
             print(f"== {name}: skipped: {e}", flush=True)
             results[name] = {"system": name, "error": f"not run: {e}", "runs": []}

@@ -118,9 +118,12 @@ def _pct(share: float | None) -> str:
 
 
 def runs_table(results: dict[str, dict[str, Any]]) -> list[str]:
-    lines = [("| system | client | scenario | attempt | seed | ok | out tok/s | TTFT p50 ms | TPOT p50 ms | "
-              "wall s | server CPU s | client CPU s | harness CPU s | neighbours | of which steal | verdict |"),
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    # Prompt tokens as the client counted them: vLLM's client aligns its random prompts to the
+    # server's tokenizer only through a /tokenize that accepts its model id (see compare.py).
+    lines = [("| system | client | scenario | attempt | seed | ok | prompt tokens | out tok/s | TTFT p50 ms | "
+              "TPOT p50 ms | wall s | server CPU s | client CPU s | harness CPU s | neighbours | of which steal | "
+              "verdict |"),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, result in results.items():
         for run in result.get("runs", []):
             m = run.get("metrics") or {}
@@ -133,7 +136,7 @@ def runs_table(results: dict[str, dict[str, Any]]) -> list[str]:
             ok = f"{m['completed']}/{m['num_prompts']}" if m else "–"
             verdict = run["verdict"] + (f": {run['reason']}" if run.get("reason") else "")
             lines.append(f"| {name} | {run['client']} | {run['scenario']} | {run['attempt']} | {run['seed']} | {ok} | "
-                         f"{num(m, 'output_throughput', '.1f')} | {num(m, 'ttft_p50_ms', '.0f')} | "
+                         f"{num(m, 'total_input_tokens', 'd')} | {num(m, 'output_throughput', '.1f')} | {num(m, 'ttft_p50_ms', '.0f')} | "
                          f"{num(m, 'tpot_p50_ms', '.1f')} | {num(n, 'wall_s', '.1f')} | {num(n, 'server_s', '.1f')} | "
                          f"{num(n, 'client_s', '.1f')} | {num(n, 'harness_s', '.1f')} | "
                          f"{_pct(n.get('neighbour_share'))} | {_pct(n.get('steal_share'))} | {verdict} |")

@@ -223,6 +223,17 @@ def test_tokenline_args_reach_only_tokenline_systems_and_their_note(compare: Mod
     assert compare.make_system("tokenline", 8000, 2, tokenline_args=extra).argv[-3:] == extra
 
 
+def test_beside_vllm_tokenline_serves_the_model_under_vllms_name(compare: ModuleType,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's client aligns its random prompts through /tokenize with the model's root as the model:
+    beside vLLM, tokenline answers to that name, so both servers get the same prompts."""
+    monkeypatch.setattr(compare, "hf_model_dir", lambda model=compare.DEFAULT_MODEL_NAME: f"/models/{model}")
+    plain = compare.make_system("tokenline", 8000, 2)
+    named = compare.make_system("tokenline", 8000, 2, tokenline_args=["-q", "q8_0"], named_as_vllm=True)
+    assert "--served-model-name" not in plain.argv
+    assert named.argv == [*plain.argv, "--served-model-name", f"/models/{compare.DEFAULT_MODEL_NAME}", "-q", "q8_0"]
+
+
 def test_random_model_systems_serve_the_same_files(compare: ModuleType, tmp_path: Path) -> None:
     """``--random-model``: every system serves the files written at bench time; llama.cpp without a GGUF
     of them, and a system with no way to serve them, are skipped with the reason; the HF transformers
