@@ -10,6 +10,7 @@ With ``EngineConfig.kv_events_endpoint`` the KV events also go out on a ZMQ PUB 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import traceback
@@ -58,6 +59,10 @@ def run_engine_process(
         outbox.send(EngineFailed(f"engine failed to start: {exc!r}"))
         return
     runner = core.runner
+    # The loaded model and engine live as long as the process: out of the collector's sight, the
+    # full collections the step loop's garbage triggers no longer walk them (as vLLM freezes its heap).
+    gc.collect()
+    gc.freeze()
     outbox.send(
         EngineReady(
             max_model_len=core.max_model_len,
