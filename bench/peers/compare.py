@@ -265,24 +265,15 @@ class System:
 
 def make_system(name: str, port: int, threads: int, repack: bool = False,
                 tokenline_args: Sequence[str] = (), model: str = DEFAULT_MODEL_NAME,
-                files: ModelFiles | None = None, named_as_vllm: bool = False) -> System:
+                files: ModelFiles | None = None) -> System:
     """``tokenline_args``: extra ``tokenline serve`` flags for every tokenline system (noted in its row).
     ``model``: a name in MODELS, which every system serves; ``files``: serve these instead
-    (``--random-model``). ``named_as_vllm``: tokenline serves the model under the name vLLM gives it
-    (the directory it was started with), so that vLLM's client aligns its prompts on both alike."""
+    (``--random-model``)."""
     system = _make_system(name, port, threads, repack, MODELS[model], files)
-    if name.startswith("tokenline"):
-        # vllm bench serve re-tokenizes its random prompts through the server's /tokenize, sending
-        # the model's `root` as the model: vLLM serves under that path, tokenline under a short name,
-        # which /tokenize refuses, so tokenline used to get the unaligned prompts (Gemma 3: 375
-        # tokens where vLLM got 256). llama.cpp's /tokenize takes another shape: never aligned.
-        if named_as_vllm:
-            served = files.hf_dir if files is not None else hf_model_dir(MODELS[model].name)
-            system = replace(system, argv=[*system.argv, "--served-model-name", served])
-        if tokenline_args:
-            extra = " ".join(tokenline_args)
-            system = replace(system, argv=[*system.argv, *tokenline_args],
-                             model_note=f"{system.model_note}, {extra}" if system.model_note else extra)
+    if tokenline_args and name.startswith("tokenline"):
+        extra = " ".join(tokenline_args)
+        system = replace(system, argv=[*system.argv, *tokenline_args],
+                         model_note=f"{system.model_note}, {extra}" if system.model_note else extra)
     return system
 
 
@@ -292,7 +283,12 @@ def _make_system(name: str, port: int, threads: int, repack: bool, model: PeerMo
         return _make_model_system(name, port, threads, repack, files)
     host = ["--host", "127.0.0.1", "--port", str(port)]
     default = model.name == DEFAULT_MODEL_NAME
-    serve = [str(TOKENLINE), "serve", *([] if default else ["--model", model.name]), *host]
+    # The clients' random prompts are decoded random ids, special-token strings among them (Gemma 3's
+    # vocabulary has thousands: <unused…>, <start_of_image>), which vLLM and llama-server tokenize as
+    # special tokens; tokenline by default keeps user text text (~20 % more Gemma prompt tokens).
+    # Tokenized alike, every server prefills the same prompts.
+    serve = [str(TOKENLINE), "serve", *([] if default else ["--model", model.name]), *host,
+             "--allow-special-tokens-in-content"]
     if name == "tokenline":
         return System(name, serve, model_note="HF dir, --dtype auto", version=_git_version())
     if name == "tokenline-ngram":
@@ -780,11 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.system_names:
         port = args.port or free_port()
         try:
-            # Beside vLLM, named as vLLM names the model: both get the prompts its client aligned
-            # (the runs table shows the prompt tokens each got). Beside llama.cpp alone, whose
-            # /tokenize its client cannot use, neither is aligned.
             system = make_system(name, port, args.threads, args.llamacpp_repack, args.tokenline_argv, args.model,
-                                 model, named_as_vllm="vllm" in args.system_names)
+                                 model)
         except (SystemExit, subprocess.SubprocessError, OSError) as e:
             print(f"== {name}: skipped: {e}", flush=True)
             results[name] = {"system": name, "error": f"not run: {e}", "runs": []}

@@ -118,8 +118,8 @@ def _pct(share: float | None) -> str:
 
 
 def runs_table(results: dict[str, dict[str, Any]]) -> list[str]:
-    # Prompt tokens as the client counted them: vLLM's client aligns its random prompts to the
-    # server's tokenizer only through a /tokenize that accepts its model id (see compare.py).
+    # Prompt tokens over the run, as the server's usage counted them: the same prompts must come to
+    # the same count on every server (see the special-token note in compare.py).
     lines = [("| system | client | scenario | attempt | seed | ok | prompt tokens | out tok/s | TTFT p50 ms | "
               "TPOT p50 ms | wall s | server CPU s | client CPU s | harness CPU s | neighbours | of which steal | "
               "verdict |"),

@@ -223,15 +223,11 @@ def test_tokenline_args_reach_only_tokenline_systems_and_their_note(compare: Mod
     assert compare.make_system("tokenline", 8000, 2, tokenline_args=extra).argv[-3:] == extra
 
 
-def test_beside_vllm_tokenline_serves_the_model_under_vllms_name(compare: ModuleType,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's client aligns its random prompts through /tokenize with the model's root as the model:
-    beside vLLM, tokenline answers to that name, so both servers get the same prompts."""
-    monkeypatch.setattr(compare, "hf_model_dir", lambda model=compare.DEFAULT_MODEL_NAME: f"/models/{model}")
-    plain = compare.make_system("tokenline", 8000, 2)
-    named = compare.make_system("tokenline", 8000, 2, tokenline_args=["-q", "q8_0"], named_as_vllm=True)
-    assert "--served-model-name" not in plain.argv
-    assert named.argv == [*plain.argv, "--served-model-name", f"/models/{compare.DEFAULT_MODEL_NAME}", "-q", "q8_0"]
+def test_tokenline_tokenizes_the_prompts_as_the_peers_do(compare: ModuleType) -> None:
+    """The clients' random prompts hold special-token strings, which vLLM and llama-server read as
+    special tokens: every tokenline system does too, so each server prefills the same prompts."""
+    for name in ("tokenline", "tokenline-q4_1", "tokenline-ngram"):
+        assert "--allow-special-tokens-in-content" in compare.make_system(name, 8000, 2).argv
 
 
 def test_random_model_systems_serve_the_same_files(compare: ModuleType, tmp_path: Path) -> None:
