@@ -146,7 +146,7 @@ static void linear_cols(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
 void tl_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t N, int64_t K) {
     /* Threads split the output columns, so each streams its own slice of the weight. */
     const int64_t chunk = 64;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += chunk) linear_cols(x, w, y, M, n0, n0 + chunk < N ? n0 + chunk : N, N, K);
 }
 
@@ -1480,7 +1480,7 @@ void tl_linear_bf16_blocked(const uint16_t *x, const uint16_t *w, uint16_t *y, i
 #endif
     const int64_t kblocks = (K + 2 * P - 1) / (2 * P);
     const int64_t nblocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(dynamic, 4)
+#pragma omp parallel for schedule(static)
     for (int64_t jb = 0; jb < nblocks; jb++) {
 #if defined(__AVX512BF16__)
         if (NB == 16 || NB == 32 || NB == 64) {
@@ -1697,7 +1697,7 @@ static void panels_f32(const float *x, const float *panels, float *y, int64_t M,
                        int accumulate) {
     const int64_t count = (N + TL_PANEL - 1) / TL_PANEL;
 #if defined(__AVX512F__)
-#pragma omp parallel for schedule(dynamic, 2)
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < (count + 1) / 2; i++) {
         const int64_t t = 2 * i;
         if (t + 1 < count) {
@@ -1709,7 +1709,7 @@ static void panels_f32(const float *x, const float *panels, float *y, int64_t M,
         }
     }
 #else
-#pragma omp parallel for schedule(dynamic, 4)
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < count; t++) {
         const int cols = (int)(N - t * TL_PANEL < TL_PANEL ? N - t * TL_PANEL : TL_PANEL);
         panel_rows(x, panels + t * K * TL_PANEL, y + t * TL_PANEL, M, N, K, accumulate, cols);
@@ -1942,7 +1942,7 @@ static void qgemv_tiles(int fmt, const float *x, const uint8_t *w, float *y, int
 #pragma omp parallel
     {
         float *buf = malloc((size_t)(TL_DQ_TILE * K) * sizeof(float));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * TL_DQ_TILE, cols = N - n0 < TL_DQ_TILE ? N - n0 : TL_DQ_TILE;
             if (!buf) { /* never silently wrong */
@@ -1974,7 +1974,7 @@ static void qgemv(int fmt, const float *x, const float *xs, const uint8_t *w, fl
     }
     const int NT = M <= 2 ? 4 : 2; /* AVX2's 16 registers: M x NT accumulators and a block's codes */
     const int64_t nb = K / TL_QK, tiles = N / NT;
-#pragma omp parallel for schedule(dynamic, 32)
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t <= tiles; t++) {
         const int width = t < tiles ? NT : 1; /* the last "tile": the leftover columns one by one */
         const int64_t first = t * NT, last = t < tiles ? first + NT : N;
@@ -2162,7 +2162,7 @@ static int linear_q_bf16_avx512(int fmt, const uint16_t *x, const uint8_t *w, fl
         uint16_t *tile = aligned_alloc(64, (size_t)(nb * 16 * 32) * sizeof(uint16_t));
         float *d = malloc((size_t)(nb * 16 * 2) * sizeof(float));
         float *mins = d ? d + nb * 16 : NULL;
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < panels; t++) {
             const int64_t n0 = t * 16;
             if (!tile || !d) {
@@ -2341,15 +2341,12 @@ static void linear_qp(int fmt, int xdtype, const void *x, const uint8_t *w, floa
         int32_t *qsum = (int32_t *)(xsum + M * nb);
         const int64_t groups = (M + TL_QP_ROWS - 1) / TL_QP_ROWS;
         /* One parallel region: the threads quantize the rows (a prefill chunk's are worth sharing),
-         * then, after the loop's barrier, split the panels: dynamically, as the weight loops here do,
-         * so that while the OS gives a core to another process (the API server, a client) the other
-         * thread takes its panels instead of waiting at the barrier (static: ~11 ms more a batch-32
-         * Gemma step beside a hog of 13 % of a core; dynamic: ~3 ms). */
+         * then, after the loop's barrier, split the panels. */
 #pragma omp parallel
         {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M * nb; r++) quantize_block_q8(xdtype, x, r, xq, dx, qsum, xsum);
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(static)
             for (int64_t t = 0; t < panels; t++) {
                 const int64_t n0 = t * 16;
                 const uint8_t *panel = w + t * nb * chunk;
