@@ -41,8 +41,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tokenline.bench.ports import free_port  # noqa: E402
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
-from tokenline.bench.ports import free_port
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import httpx
 
+from tokenline.bench.ports import free_port
 from tokenline.bench.results import BenchServeReport
 from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve
 from tokenline.bench.serve import wait_healthy as bench_wait_healthy
-from tokenline.bench.ports import free_port
 
 POLICIES = ("round_robin", "least_load", "prefix", "kv_events")
 REFERENCE = "single replica"

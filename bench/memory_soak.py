@@ -36,8 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tokenline.bench.ports import free_port  # noqa: E402
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
-from tokenline.bench.ports import free_port
 
 VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "new": (["--no-prefix-cache-fills-pool"], {}),

@@ -27,9 +27,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tokenline.bench.ports import free_port
 from tokenline.sim.profile import Profile
 from tokenline.sim.step_model import StepModel
-from tokenline.bench.ports import free_port
 
 README_STEP = StepModel(a=0.057, b=0.0028, c=0.0119, d=7.4e-6)  # SmolLM2-135M float32, one thread, here
 

@@ -39,13 +39,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tokenline.bench.ports import free_port  # noqa: E402
 from tokenline.bench.serve import wait_healthy  # noqa: E402
 from tokenline.sim.profile import Profile  # noqa: E402
 from tokenline.sim.replicas import FleetConfig, simulate_replicas  # noqa: E402
 from tokenline.sim.server_fit import busy_steps  # noqa: E402
 from tokenline.sim.sim_target import scaled_step_model  # noqa: E402
 from tokenline.sim.simulate import SimConfig, simulate  # noqa: E402
-from tokenline.bench.ports import free_port
 
 TOKENLINE = [sys.executable, "-m", "tokenline.cli"]
 KEYS = ("p50_ttft_ms", "p50_tpot_ms", "p50_e2e_ms")

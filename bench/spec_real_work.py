@@ -45,9 +45,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tokenline.bench.ports import free_port  # noqa: E402
 from tokenline.bench.serve import BenchServeConfig, run_bench_serve, wait_healthy  # noqa: E402
 from tokenline.bench.throughput import PASSAGE_SENTENCES  # noqa: E402
-from tokenline.bench.ports import free_port
 
 METHODS: dict[str, list[str]] = {
     "plain": [],

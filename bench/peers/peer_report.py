@@ -136,7 +136,8 @@ def runs_table(results: dict[str, dict[str, Any]]) -> list[str]:
             ok = f"{m['completed']}/{m['num_prompts']}" if m else "–"
             verdict = run["verdict"] + (f": {run['reason']}" if run.get("reason") else "")
             lines.append(f"| {name} | {run['client']} | {run['scenario']} | {run['attempt']} | {run['seed']} | {ok} | "
-                         f"{num(m, 'total_input_tokens', 'd')} | {num(m, 'output_throughput', '.1f')} | {num(m, 'ttft_p50_ms', '.0f')} | "
+                         f"{num(m, 'total_input_tokens', 'd')} | {num(m, 'output_throughput', '.1f')} | "
+                         f"{num(m, 'ttft_p50_ms', '.0f')} | "
                          f"{num(m, 'tpot_p50_ms', '.1f')} | {num(n, 'wall_s', '.1f')} | {num(n, 'server_s', '.1f')} | "
                          f"{num(n, 'client_s', '.1f')} | {num(n, 'harness_s', '.1f')} | "
                          f"{_pct(n.get('neighbour_share'))} | {_pct(n.get('steal_share'))} | {verdict} |")

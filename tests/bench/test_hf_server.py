@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from tokenline.bench.ports import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peers" / "hf_server.py"

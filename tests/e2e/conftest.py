@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenline.bench.serve import wait_until  # noqa: F401 - the tests import it from here
 from tokenline.bench.ports import free_port
+from tokenline.bench.serve import wait_until  # noqa: F401 - the tests import it from here
 
 STARTUP_TIMEOUT_S = 120
 

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 
 from tests.engine.fake_runner import FakeRunner
+from tokenline.bench.ports import free_port
 from tokenline.engine.block_pool import BlockPool, hash_block, salt_root
 from tokenline.engine.core_process import _loop
 from tokenline.engine.engine_core import EngineCore
@@ -32,7 +33,6 @@ from tokenline.engine.kv_events_zmq import END_SEQ, KVEventSubscriber, ZmqEventP
 from tokenline.engine.messages import AddRequest, EngineRequest, ResetPrefixCache, Shutdown, StepOutputs
 from tokenline.engine.scheduler import SchedulerConfig
 from tokenline.sampling_params import SamplingParams
-from tokenline.bench.ports import free_port
 
 H = [hash_block(None, [i]) for i in range(8)]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tokenline.bench.ports import free_port
 from tokenline.gateway.errors import APIError
 from tokenline.gateway.keys import Tenant, TenantLimits
 from tokenline.gateway.rate_limit import (
@@ -25,7 +26,6 @@ from tokenline.gateway.rate_limit import (
     format_duration,
     make_rate_limiter,
 )
-from tokenline.bench.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Mid-day (UTC), so that only the daily tests come near a day boundary.

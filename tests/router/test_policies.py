@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from tests.engine.fake_runner import FakeRunner
+from tokenline.bench.ports import free_port
 from tokenline.engine.block_pool import BlockPool, hash_block, salt_root
 from tokenline.engine.engine_core import EngineCore
 from tokenline.engine.kv_cache_manager import KVCacheManager
@@ -34,7 +35,6 @@ from tokenline.router.policies import (
 )
 from tokenline.router.policy import REASONS, ReplicaState, RouteDecision, RouteRequest, RoutingPolicy
 from tokenline.sampling_params import SamplingParams
-from tokenline.bench.ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 B = 16  # block size

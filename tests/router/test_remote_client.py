@@ -27,13 +27,13 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
+from tokenline.bench.ports import free_port
 from tokenline.engine.client import EngineDeadError, EngineRequestError
 from tokenline.engine.messages import EngineRequest, FinishReason
 from tokenline.router.fleet import FleetClient
 from tokenline.router.policies import make_policy
 from tokenline.router.remote_client import RemoteEngineClient, parse_upstream
 from tokenline.sampling_params import SamplingParams
-from tokenline.bench.ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROMPT = json.loads((FIXTURES / "vllm_events.json").read_text())["prompt"]

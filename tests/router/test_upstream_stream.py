@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from tokenline.bench.ports import free_port
 from tokenline.engine.kv_events_zmq import KVEventSubscriber
 from tokenline.engine.messages import EngineRequest, FinishReason
 from tokenline.router.policies import PreciseKV
@@ -25,7 +26,6 @@ from tokenline.router.upstream_stream import (
     sse_payload,
 )
 from tokenline.sampling_params import SamplingParams, StructuredOutputs
-from tokenline.bench.ports import free_port
 
 # What vLLM 0.11's /v1/completions streams for prompt [1, 2, 3, 4, 5], max_tokens 4, return_token_ids,
 # stream_options.include_usage and --enable-prompt-tokens-details (chunks dumped with exclude_unset).

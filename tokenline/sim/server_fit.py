@@ -36,10 +36,10 @@ import httpx
 import numpy as np
 
 from tokenline.bench.neighbour_cpu import CpuSnapshot, snapshot
+from tokenline.bench.ports import free_port
 from tokenline.bench.results import BenchServeReport
 from tokenline.bench.serve import BenchServeConfig, ServerNotReady, run_bench_serve, wait_healthy
 from tokenline.sim.step_model import StepFeatures, StepModel, relative_weight, robust_lstsq
-from tokenline.bench.ports import free_port
 
 BUSY_GAP_S = 0.05  # a longer gap before the next step: the engine was idle, waiting for a request
 # The least per-request overhead a fit gives. The API process hands requests to the engine one at a
